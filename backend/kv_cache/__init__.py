@@ -1,1 +1,7 @@
-"""Loraplex."""
+"""Paged KV cache: block pool, prefix-cache hashing, copy-on-write, KVCacheManager."""
+
+from .block_pool import Block, BlockPool, FreeBlockQueue
+from .hashing import hash_block, namespace_key
+from .manager import KVCacheManager
+
+__all__ = ["Block", "BlockPool", "FreeBlockQueue", "KVCacheManager", "hash_block", "namespace_key"]

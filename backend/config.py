@@ -1,0 +1,65 @@
+"""EngineConfig: every engine knob in one dataclass, with defaults and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; see docs/configuration.md for what each knob does."""
+
+    model_dir: str = ""
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on cpu, checkpoint dtype on cuda) | float32 | float16 | bfloat16
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # CPU pool size; on CUDA see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int = 0  # if > 0, overrides the byte budget
+    max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 4096
+    enable_prefix_caching: bool = True
+    prefix_cache_scope: str = "tenant"  # tenant | global
+    max_loras: int = 8
+    max_cpu_loras: int = 32
+    max_lora_rank: int = 64
+    multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
+            (self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype must be auto, float32, float16 or bfloat16"),
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.prefix_cache_scope in ("tenant", "global"), "prefix_cache_scope must be tenant or global"),
+            (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig: {message}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        """Build from a dict, rejecting unknown keys with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def with_env_overrides(self) -> "EngineConfig":
+        """Apply LORAPLEX_MODEL_DIR and LORAPLEX_ENGINE_CONFIG (a JSON object) from the environment."""
+        values = dataclasses.asdict(self)
+        if os.environ.get("LORAPLEX_ENGINE_CONFIG"):
+            values.update(json.loads(os.environ["LORAPLEX_ENGINE_CONFIG"]))
+        if os.environ.get("LORAPLEX_MODEL_DIR"):
+            values["model_dir"] = os.environ["LORAPLEX_MODEL_DIR"]
+        return EngineConfig.from_dict(values)

@@ -1,0 +1,263 @@
+"""LLMEngine: add_request / abort / step, and the loop thread that runs steps."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache.hashing import namespace_key
+from .kv_cache.manager import KVCacheManager
+from .lora.manager import AdapterManager, AdapterNotFound
+from .lora.shapes import module_shapes
+from .lora.slots import LoraSlots
+from .model_runner import ModelRunner
+from .models.llama import LlamaModel
+from .request import FinishReason, InvalidRequest, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
+from .sampler import make_generator
+from .scheduler import Scheduler
+
+log = logging.getLogger("loraplex.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestCancelled(Exception):
+    """The client cancelled the request."""
+
+
+def resolve_device_dtype(config: EngineConfig, checkpoint_dtype) -> tuple[torch.device, torch.dtype]:
+    """Pick the compute device and dtype from the config ("auto" = CUDA if present)."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if config.dtype != "auto":
+        return torch.device(device), _DTYPES[config.dtype]
+    if device == "cpu":
+        return torch.device(device), torch.float32
+    ckpt = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else _DTYPES.get(str(checkpoint_dtype))
+    return torch.device(device), ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class LLMEngine:
+    """One base model, many adapters, one continuous batch."""
+
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[list[RequestOutput]], None] | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        hf_config = AutoConfig.from_pretrained(config.model_dir, local_files_only=True)
+        self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+        max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
+        self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len)
+        self.max_model_len = max_len
+        num_blocks = self._num_kv_blocks()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        shapes = module_shapes(self.model.config)
+        self.lora_slots = LoraSlots(
+            self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
+        self.adapters = AdapterManager(
+            self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, self.dtype
+        )
+        for name, path in config.multi_lora.items():
+            self.adapters.register(name, path)
+        self.scheduler = Scheduler(config, self.kv_manager, self.adapters, self._eos_ids(hf_config), max_len)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots)
+        self.on_outputs = on_outputs
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, list[Sequence]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                 config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks > 0:
+            return self.config.num_kv_blocks
+        per_block = self.model.kv_bytes_per_block(self.config.block_size)
+        budget = self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ValueError(f"KV cache budget {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        return int(blocks)
+
+    def _eos_ids(self, hf_config) -> set[int]:
+        ids = {self.tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)}
+        flat = set()
+        for i in ids:
+            flat.update(i if isinstance(i, (list, tuple)) else [i])
+        return {i for i in flat if i is not None}
+
+    # ---- called from any thread ------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default") -> Request:
+        """Tokenize and validate; raises InvalidRequest or AdapterNotFound (nothing is queued)."""
+        if not prompt:
+            raise InvalidRequest("text_input is empty")
+        ids = self.tokenizer(prompt).input_ids
+        if not ids:
+            raise InvalidRequest("text_input tokenizes to no tokens")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} exceeds the model's max length {self.max_model_len}"
+            )
+        if params.lora_name and params.lora_name not in self.adapters.names():
+            raise AdapterNotFound(f"LoRA adapter '{params.lora_name}' not found; available: {sorted(self.adapters.names())}")
+        return Request(request_id, prompt, ids, params, tenant)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request; the loop admits it at the next step."""
+        self._inbox.append(("add", request))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; it ends with a CANCELLED final output and frees its blocks next step."""
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- loop thread -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit and abort, run one iteration of the batch, return the outputs it produced."""
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        result = self.runner.execute(batch)
+        changed = self.scheduler.update(batch, result)
+        self.num_steps += 1
+        outputs += [self._make_output(seq) for seq in changed]
+        return outputs
+
+    def has_work(self) -> bool:
+        """Anything queued, waiting or running."""
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                outputs += self._admit_request(item)
+            else:
+                outputs += self._abort_request(item)
+        return outputs
+
+    def _admit_request(self, request: Request) -> list[RequestOutput]:
+        params = request.params
+        try:
+            if params.lora_name:
+                request.adapter_digest = self.adapters.digest(params.lora_name)
+        except Exception as exc:  # adapter vanished or broke on disk since validation
+            return [RequestOutput(request.request_id, 0, "", [], True, error=exc)]
+        tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
+        namespace = namespace_key(tenant, request.adapter_digest)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request, index, list(request.prompt_token_ids), len(request.prompt_token_ids))
+            seq.namespace = namespace
+            seq.generator = make_generator(params, index, self.device)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self._requests[request.request_id] = seqs
+        return []
+
+    def _abort_request(self, request_id: str) -> list[RequestOutput]:
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return []
+        for seq in seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.remove(seq, FinishReason.ABORT)
+        return [RequestOutput(request_id, 0, "", [], True, finish_reason="abort", error=RequestCancelled("request cancelled"))]
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.status is SeqStatus.FINISHED
+        if finished and seq.finish_reason is not FinishReason.STOP:
+            seq.detok.flush(seq.token_ids)
+        end = seq.detok.stable_length(finished)
+        text = seq.detok.text[seq.num_sent_chars : end]
+        seq.num_sent_chars = max(end, seq.num_sent_chars)
+        new_ids = seq.output_token_ids[seq.num_sent_tokens :]
+        seq.num_sent_tokens = seq.num_output_tokens
+        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        if finished:
+            self._requests.pop(seq.request.request_id, None) if self._all_finished(seq) else None
+        return RequestOutput(
+            request_id=seq.request.request_id,
+            index=seq.index,
+            text=text,
+            token_ids=new_ids,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished else None,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=logprobs if seq.request.params.logprobs is not None else None,
+            num_input_tokens=seq.num_prompt_tokens,
+        )
+
+    def _all_finished(self, seq: Sequence) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))
+
+    def run_loop(self) -> None:
+        """The loop thread: step while there is work, sleep on an event otherwise."""
+        while not self._stopping:
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.step()
+            except Exception as exc:  # never let one bad step kill the server
+                log.exception("engine step failed; failing the running requests")
+                outputs = self._fail_all(exc)
+            if outputs and self.on_outputs is not None:
+                self.on_outputs(outputs)
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self._requests):
+            for seq in self._requests.pop(request_id):
+                if seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.remove(seq, FinishReason.ABORT)
+            outputs.append(RequestOutput(request_id, 0, "", [], True, error=exc))
+        return outputs
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._thread = threading.Thread(target=self.run_loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def generate(self, requests: list[Request], max_steps: int = 100_000) -> dict[str, list[RequestOutput]]:
+        """Run requests to completion on the calling thread (tests, benchmarks); outputs per request id."""
+        for r in requests:
+            self.add_request(r)
+        collected: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            for out in self.step():
+                collected.setdefault(out.request_id, []).append(out)
+        return collected

@@ -1,0 +1,388 @@
+"""Loading and validating one PEFT LoRA adapter from disk (safetensors only, never pickle).
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors`, as
+`PeftModel.save_pretrained` writes them. The tensors decide what is loaded; the config
+gives rank, alpha and which modules the adapter targets, and the two must agree with each
+other and with the base model (every mismatch is an AdapterError naming the tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from .shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+# Config options that change what the adapter computes and that this server does not implement.
+_UNSUPPORTED = (
+    ("use_dora", "DoRA (use_dora=true)"),
+    ("fan_in_fan_out", "fan_in_fan_out=true"),
+    ("modules_to_save", "modules_to_save (fully trained extra modules)"),
+    ("lora_bias", "lora_bias=true"),
+    ("use_qalora", "QALoRA (use_qalora=true)"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+    ("layer_replication", "layer_replication"),
+    ("target_parameters", "target_parameters (LoRA on raw parameters)"),
+    ("trainable_token_indices", "trainable_token_indices"),
+    ("use_bdlora", "BD-LoRA (use_bdlora)"),
+    ("arrow_config", "Arrow routing (arrow_config)"),
+    ("kasa_config", "KaSA (kasa_config)"),
+    ("monteclora_config", "MonteCLoRA (monteclora_config)"),
+)
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served: missing, malformed, unsupported, or not for this model."""
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """One validated adapter in host memory: per (layer, module) A [r, in], B [out, r], scale."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+    def nbytes(self) -> int:
+        """Bytes held by the adapter's A and B tensors."""
+        return sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
+
+
+@dataclass(slots=True)
+class _Settings:
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    target_modules: str | list[str]
+    exclude_modules: str | list[str] | None
+    layers_to_transform: list[int] | None
+    layers_pattern: list[str] | None
+
+
+def adapter_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
+    """Content digest (sha256 hex) of an adapter's config and weights files."""
+    h = hashlib.sha256()
+    h.update(len(config_bytes).to_bytes(8, "little"))  # length prefix: the two files cannot alias
+    h.update(config_bytes)
+    h.update(weights_bytes)
+    return h.hexdigest()
+
+
+def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torch.float32) -> LoraAdapter:
+    """Read, validate and convert a PEFT LoRA adapter folder for the given base model."""
+    folder = Path(path)
+    where = f"adapter {name!r} ({folder})"
+    if not folder.is_dir():
+        raise AdapterError(f"{where}: directory does not exist")
+    config_path = folder / CONFIG_FILE
+    weights_path = folder / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{where}: missing {CONFIG_FILE}")
+    if not weights_path.is_file():
+        if (folder / PICKLE_FILE).exists():
+            raise AdapterError(
+                f"{where}: only {PICKLE_FILE} found; pickle files are refused (arbitrary code "
+                f"execution), convert the adapter to {WEIGHTS_FILE}"
+            )
+        raise AdapterError(f"{where}: missing {WEIGHTS_FILE}")
+    config_bytes = config_path.read_bytes()
+    weights_bytes = weights_path.read_bytes()
+    digest = adapter_digest(config_bytes, weights_bytes)
+
+    settings = _parse_config(config_bytes, where)
+    num_layers = int(hf_config.num_hidden_layers)
+    shapes = module_shapes(hf_config)
+    targeted = _targeted_modules(settings, num_layers, where)
+    try:
+        tensors = load_safetensors(weights_bytes)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
+    pairs = _pair_tensors(tensors, num_layers, where)
+
+    for key in sorted(pairs, key=lambda k: (k[0], MODULES.index(k[1]))):
+        if key not in targeted:
+            tensor_name = min(name for name, _ in pairs[key].values())
+            raise AdapterError(
+                f"{where}: tensor {tensor_name} is for {module_path(*key)}, which "
+                f"{CONFIG_FILE} does not target (target_modules / layers_to_transform / exclude_modules)"
+            )
+
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    max_rank = 0
+    for layer, module in sorted(targeted, key=lambda k: (k[0], MODULES.index(k[1]))):
+        full = module_path(layer, module)
+        r, alpha = _rank_alpha(settings, full)
+        if r > max_lora_rank:
+            raise AdapterError(
+                f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}"
+            )
+        found = pairs.get((layer, module), {})
+        if set(found) != {"A", "B"}:
+            if not found:
+                raise AdapterError(
+                    f"{where}: {CONFIG_FILE} targets {full} but {WEIGHTS_FILE} has no "
+                    f"lora_A / lora_B tensors for it"
+                )
+            have = next(iter(found))
+            missing = "B" if have == "A" else "A"
+            raise AdapterError(
+                f"{where}: incomplete LoRA pair for {full}: {found[have][0]} present, lora_{missing} missing"
+            )
+        in_f, out_f = shapes[module]
+        a_name, a = found["A"]
+        b_name, b = found["B"]
+        a = _checked(a_name, a, (r, in_f), dtype, where)
+        b = _checked(b_name, b, (out_f, r), dtype, where)
+        scale = lora_scale(alpha, r, settings.use_rslora)
+        weights[(layer, module)] = (a, b, scale)
+        max_rank = max(max_rank, r)
+
+    return LoraAdapter(name=name, path=str(folder), digest=digest, rank=max_rank, weights=weights)
+
+
+def lora_scale(alpha: float, r: int, use_rslora: bool) -> float:
+    """LoRA output scale: alpha / sqrt(r) with rsLoRA, else alpha / r."""
+    return float(alpha) / (math.sqrt(r) if use_rslora else r)
+
+
+def _checked(tensor_name, t, expected, dtype, where) -> torch.Tensor:
+    if tuple(t.shape) != expected:
+        raise AdapterError(
+            f"{where}: tensor {tensor_name} has shape {list(t.shape)}, expected {list(expected)}"
+        )
+    if not t.dtype.is_floating_point:
+        raise AdapterError(f"{where}: tensor {tensor_name} has dtype {t.dtype}, expected a floating-point dtype")
+    if not bool(torch.isfinite(t).all()):
+        raise AdapterError(f"{where}: tensor {tensor_name} contains NaN or infinite values")
+    out = t.to(dtype).contiguous()
+    if not bool(torch.isfinite(out).all()):
+        raise AdapterError(f"{where}: tensor {tensor_name} overflows {dtype}")
+    return out
+
+
+def _parse_config(config_bytes: bytes, where: str) -> _Settings:
+    try:
+        cfg = json.loads(config_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object")
+    peft_type = cfg.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    bias = cfg.get("bias", "none")
+    if bias != "none":
+        raise AdapterError(f"{where}: bias={bias!r} is not supported (only 'none')")
+    for key, what in _UNSUPPORTED:
+        if cfg.get(key):
+            raise AdapterError(f"{where}: {what} is not supported")
+
+    r = cfg.get("r", 8)
+    if not _is_int(r) or r <= 0:
+        raise AdapterError(f"{where}: r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
+
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not all(
+        isinstance(k, str) and _is_int(v) and v > 0 for k, v in rank_pattern.items()
+    ):
+        raise AdapterError(f"{where}: rank_pattern must map module patterns to positive integers")
+    if not isinstance(alpha_pattern, dict) or not all(
+        isinstance(k, str) and _is_number(v) for k, v in alpha_pattern.items()
+    ):
+        raise AdapterError(f"{where}: alpha_pattern must map module patterns to numbers")
+
+    target_modules = cfg.get("target_modules")
+    if target_modules is None:
+        raise AdapterError(f"{where}: target_modules is not set")
+    if not isinstance(target_modules, str) and not _is_str_list(target_modules):
+        raise AdapterError(f"{where}: target_modules must be a list of names or a regex string")
+    exclude = cfg.get("exclude_modules")
+    if exclude is not None and not isinstance(exclude, str) and not _is_str_list(exclude):
+        raise AdapterError(f"{where}: exclude_modules must be a list of names or a regex string")
+
+    layers = cfg.get("layers_to_transform")
+    if _is_int(layers):
+        layers = [layers]
+    elif layers is not None and not (isinstance(layers, list) and all(_is_int(i) for i in layers)):
+        raise AdapterError(f"{where}: layers_to_transform must be an integer or a list of integers")
+    if layers == []:
+        layers = None  # peft: an empty list means every layer
+    pattern = cfg.get("layers_pattern")
+    if isinstance(pattern, str):
+        pattern = [pattern] if pattern else None
+    elif pattern is not None and not _is_str_list(pattern):
+        raise AdapterError(f"{where}: layers_pattern must be a string or a list of strings")
+
+    return _Settings(
+        r=r,
+        alpha=float(alpha),
+        use_rslora=use_rslora,
+        rank_pattern=dict(rank_pattern),
+        alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
+        target_modules=target_modules,
+        exclude_modules=exclude,
+        layers_to_transform=layers,
+        layers_pattern=pattern or None,
+    )
+
+
+def _targeted_modules(s: _Settings, num_layers: int, where: str) -> set[tuple[int, str]]:
+    """(layer, module) pairs the config selects, matched on full names the way peft does."""
+    if s.layers_to_transform is not None:
+        for i in s.layers_to_transform:
+            if not 0 <= i < num_layers:
+                raise AdapterError(
+                    f"{where}: layers_to_transform lists layer {i}, but the base model has "
+                    f"{num_layers} layers (0..{num_layers - 1})"
+                )
+    names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in MODULES}
+    if isinstance(s.target_modules, list):
+        for entry in s.target_modules:
+            if not any(full == entry or full.endswith("." + entry) for full in names):
+                raise AdapterError(
+                    f"{where}: unknown target module {entry!r} in target_modules; supported modules "
+                    f"are {', '.join(MODULES)}"
+                )
+    elif s.target_modules != "all-linear":
+        try:
+            re.compile(s.target_modules)
+        except re.error as exc:
+            raise AdapterError(f"{where}: target_modules regex {s.target_modules!r} is invalid: {exc}") from exc
+    targeted = {pair for full, pair in names.items() if _is_targeted(s, full)}
+    if not targeted:
+        raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(MODULES)}")
+    return targeted
+
+
+def _is_targeted(s: _Settings, key: str) -> bool:
+    """peft's check_target_module_exists for one full module name."""
+    ex = s.exclude_modules
+    if ex:
+        if isinstance(ex, str):
+            if re.fullmatch(ex, key):
+                return False
+        elif key in ex or any(key.endswith("." + e) for e in ex):
+            return False
+    tm = s.target_modules
+    if isinstance(tm, str):
+        return tm == "all-linear" or re.fullmatch(tm, key) is not None
+    if key in tm:
+        return True
+    if not any(key.endswith("." + t) for t in tm):
+        return False
+    if s.layers_to_transform is None:
+        return True
+    if s.layers_pattern is None:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        match = None
+        for pattern in s.layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match:
+                break
+    return match is not None and int(match.group("idx")) in s.layers_to_transform
+
+
+def _rank_alpha(s: _Settings, key: str) -> tuple[int, float]:
+    """Rank and alpha of one module after rank_pattern / alpha_pattern (peft's get_pattern_key)."""
+    r, alpha = s.r, s.alpha
+    for pattern, value in s.rank_pattern.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            r = value
+            break
+    for pattern, value in s.alpha_pattern.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            alpha = value
+            break
+    return r, alpha
+
+
+def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str):
+    """Group tensors by (layer, module) -> {'A'|'B': (tensor name, tensor)}."""
+    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    for tensor_name, t in tensors.items():
+        parts = tensor_name.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.startswith("lora_")), None)
+        if idx is None:
+            raise AdapterError(
+                f"{where}: unexpected tensor {tensor_name}: not a LoRA weight "
+                f"(full-weight modules such as modules_to_save are not supported)"
+            )
+        kind = parts[idx]
+        if kind in ("lora_embedding_A", "lora_embedding_B"):
+            raise AdapterError(f"{where}: tensor {tensor_name}: LoRA on embeddings is not supported")
+        if kind not in ("lora_A", "lora_B"):
+            raise AdapterError(f"{where}: tensor {tensor_name}: {kind} is not supported (plain LoRA only)")
+        rest = parts[idx + 1 :]
+        if rest[-1:] == ["bias"]:
+            raise AdapterError(f"{where}: tensor {tensor_name}: LoRA bias (lora_bias) is not supported")
+        if not (rest == ["weight"] or (len(rest) == 2 and rest[1] == "weight")):
+            raise AdapterError(f"{where}: unexpected tensor name {tensor_name}")
+        prefix = parts[:idx]
+        if prefix[:2] == ["base_model", "model"]:
+            prefix = prefix[2:]
+        module_name = ".".join(prefix)
+        m = _LAYER_RE.search(module_name)
+        if m is None:
+            raise AdapterError(
+                f"{where}: tensor {tensor_name} targets {module_name!r}, which is not a decoder-layer "
+                f"projection; supported modules are {', '.join(MODULES)}"
+            )
+        layer = int(m.group(1))
+        try:
+            module = normalize_target(m.group(2))
+        except ValueError as exc:
+            raise AdapterError(f"{where}: tensor {tensor_name}: {exc}") from exc
+        if m.group(2) != f"{PARENTS[module]}.{module}":
+            raise AdapterError(f"{where}: tensor {tensor_name}: unknown module path {module_name!r}")
+        if layer >= num_layers:
+            raise AdapterError(
+                f"{where}: tensor {tensor_name} is for layer {layer}, but the base model has "
+                f"{num_layers} layers (0..{num_layers - 1})"
+            )
+        slot = pairs.setdefault((layer, module), {})
+        ab = kind[-1]
+        if ab in slot:
+            raise AdapterError(
+                f"{where}: duplicate tensors for {module_path(layer, module)} lora_{ab}: "
+                f"{slot[ab][0]} and {tensor_name}"
+            )
+        slot[ab] = (tensor_name, t)
+    return pairs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)

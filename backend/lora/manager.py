@@ -1,0 +1,220 @@
+"""AdapterManager: which adapters are known, which sit in host memory, which own a device slot.
+
+Three tiers: registered (name -> folder on disk), host (an LRU of at most max_cpu_loras
+validated LoraAdapter objects) and device (LoraSlots rows). acquire() pins an adapter in a
+device slot for a running sequence, loading it from host or disk on demand and evicting
+the least recently used unpinned adapter when the slots are full; release() unpins.
+
+Re-registering a name drops its host copy and marks its device copy stale; the next
+acquire() re-reads the folder and reuses the slot only if the content digest is unchanged.
+A device copy replaced (or unregistered) while pinned is retired: it keeps its slot for
+the sequences still using it and frees the slot when the last of them releases it.
+
+Thread-safety: none. Every call comes from the engine loop thread (the Triton threads hand
+their requests to that loop), so there are no locks; do not call from other threads. Disk
+loads run on the calling thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapter import AdapterError, LoraAdapter, load_peft_adapter
+from .slots import LoraSlots
+
+
+class AdapterNotFound(KeyError):
+    """No adapter is registered under this name."""
+
+
+@dataclass(slots=True)
+class _Resident:
+    name: str
+    slot: int
+    digest: str
+    pins: int = 0
+    stale: bool = False  # re-registered since loaded: content re-checked on next acquire
+
+
+class AdapterManager:
+    """Registry, host-memory LRU and device slots (with pins and LRU eviction) of LoRA adapters."""
+
+    def __init__(self, slots: LoraSlots, hf_config, max_lora_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if max_lora_rank > slots.max_rank:
+            raise ValueError(f"max_lora_rank {max_lora_rank} exceeds the slots' max_rank {slots.max_rank}")
+        if max_cpu_loras < 0:
+            raise ValueError("max_cpu_loras must be >= 0")
+        self.slots = slots
+        self.hf_config = hf_config
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.dtype = dtype
+        self.loads_from_disk = 0
+        self.evictions = 0
+        self.host_evictions = 0
+        self._paths: dict[str, Path] = {}
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
+        self._retired: dict[int, _Resident] = {}  # slot -> replaced version still pinned
+        self._free: list[int] = list(range(slots.max_loras))
+
+    # registry -------------------------------------------------------------------------
+
+    def register(self, name: str, path) -> None:
+        """Make an adapter folder servable under a name; re-registering invalidates cached copies."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
+        existed = name in self._paths
+        self._paths[name] = Path(path)
+        if existed:
+            self._host.pop(name, None)
+            rec = self._resident.get(name)
+            if rec is not None:
+                rec.stale = True
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter; a device copy still pinned keeps its slot until released."""
+        self._path(name)
+        del self._paths[name]
+        self._host.pop(name, None)
+        rec = self._resident.pop(name, None)
+        if rec is not None:
+            self._retire(rec)
+
+    def names(self) -> list[str]:
+        """Registered adapter names, sorted."""
+        return sorted(self._paths)
+
+    def digest(self, name: str) -> str:
+        """Content digest of an adapter, loading and validating it into host memory if needed."""
+        self._path(name)
+        rec = self._resident.get(name)
+        if rec is not None and not rec.stale:
+            return rec.digest
+        return self._host_get(name).digest
+
+    # device slots ---------------------------------------------------------------------
+
+    def acquire(self, name: str) -> int | None:
+        """Pin an adapter in a device slot and return the slot; None when every slot is pinned."""
+        self._path(name)
+        rec = self._resident.get(name)
+        if rec is not None and not rec.stale:
+            return self._pin(rec)
+        adapter = self._host_get(name)
+        if rec is not None:
+            if rec.digest == adapter.digest:
+                rec.stale = False
+                return self._pin(rec)
+            del self._resident[name]
+            self._retire(rec)
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self.slots.load(slot, adapter)
+        rec = _Resident(name=name, slot=slot, digest=adapter.digest)
+        self._resident[name] = rec
+        return self._pin(rec)
+
+    def release(self, name: str, slot: int | None = None) -> None:
+        """Drop one pin taken by acquire(); pass the slot acquire() returned to be exact across re-registers."""
+        candidates = [r for r in self._retired.values() if r.name == name and r.pins > 0]
+        rec = self._resident.get(name)
+        if rec is not None and rec.pins > 0:
+            candidates.append(rec)
+        if slot is not None:
+            candidates = [r for r in candidates if r.slot == slot]
+        if not candidates:
+            if name not in self._paths and rec is None:
+                raise AdapterNotFound(name)
+            raise ValueError(f"release({name!r}): adapter is not pinned" + (f" in slot {slot}" if slot is not None else ""))
+        if len(candidates) > 1:
+            raise ValueError(f"release({name!r}): pinned in slots {sorted(r.slot for r in candidates)}; pass slot=")
+        rec = candidates[0]
+        rec.pins -= 1
+        if rec.pins == 0 and self._retired.get(rec.slot) is rec:
+            del self._retired[rec.slot]
+            self._free_slot(rec.slot)
+
+    def is_resident(self, name: str) -> bool:
+        """Whether acquire(name) would find the adapter's current version already in a slot."""
+        rec = self._resident.get(name)
+        return rec is not None and not rec.stale
+
+    def slot_of(self, name: str) -> int | None:
+        """Device slot of the adapter's current version, or None when not resident."""
+        return self._resident[name].slot if self.is_resident(name) else None
+
+    def pins(self, name: str) -> int:
+        """Pin count of the adapter's resident version (0 when not resident)."""
+        rec = self._resident.get(name)
+        return rec.pins if rec is not None else 0
+
+    def pinned_count(self) -> int:
+        """Number of device slots pinned by at least one sequence."""
+        return sum(1 for r in self._resident.values() if r.pins > 0) + len(self._retired)
+
+    def resident_names(self) -> list[str]:
+        """Names holding a device slot, least recently used first."""
+        return list(self._resident)
+
+    def host_names(self) -> list[str]:
+        """Names held in the host-memory tier, least recently used first."""
+        return list(self._host)
+
+    # internals ------------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
+        try:
+            return self._paths[name]
+        except KeyError:
+            raise AdapterNotFound(name) from None
+
+    def _pin(self, rec: _Resident) -> int:
+        rec.pins += 1
+        self._resident.move_to_end(rec.name)
+        return rec.slot
+
+    def _host_get(self, name: str) -> LoraAdapter:
+        adapter = self._host.get(name)
+        if adapter is not None:
+            self._host.move_to_end(name)
+            return adapter
+        adapter = load_peft_adapter(self._paths[name], name, self.hf_config, self.max_lora_rank, self.dtype)
+        self.loads_from_disk += 1
+        if self.max_cpu_loras > 0:
+            self._host[name] = adapter
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+                self.host_evictions += 1
+        return adapter
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            slot = min(self._free)
+            self._free.remove(slot)
+            return slot
+        for name, rec in self._resident.items():
+            if rec.pins == 0:
+                del self._resident[name]
+                self.evictions += 1
+                return rec.slot
+        return None
+
+    def _retire(self, rec: _Resident) -> None:
+        if rec.pins > 0:
+            self._retired[rec.slot] = rec
+        else:
+            self._free_slot(rec.slot)
+
+    def _free_slot(self, slot: int) -> None:
+        self.slots.clear(slot)
+        self._free.append(slot)
+
+
+__all__ = ["AdapterError", "AdapterManager", "AdapterNotFound"]

@@ -1,0 +1,95 @@
+"""Builds one step's tensors from the scheduler's decisions, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .models.llama import AttentionBatch, LlamaModel, LoraBatch
+from .sampler import sample, token_logprobs
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per scheduled sequence: the sampled token (None mid-prefill), its logprob and top candidates."""
+
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list
+
+
+class ModelRunner:
+    """Owns the model, the KV tensor and the LoRA stacks; never decides policy."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, lora_slots):
+        self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
+        self.device = model.device
+
+    def execute(self, batch) -> RunnerOutput:
+        """Run one step for a SchedulerOutput."""
+        if batch.copy_pairs:
+            src, dst = zip(*batch.copy_pairs)
+            kernels.copy_blocks(self.kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+        input_ids, positions, slot_mapping, token_slots = [], [], [], []
+        cu, context_lens, sample_rows, sample_seqs = [0], [], [], []
+        bs = self.block_size
+        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            span = range(start, start + n)
+            positions += span
+            slot_mapping += [table[p // bs] * bs + p % bs for p in span]
+            token_slots += [seq.adapter_slot] * n
+            cu.append(cu[-1] + n)
+            context_lens.append(start + n)
+            if start + n == len(seq.token_ids):
+                sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(len(context_lens) - 1)
+        width = max(len(t) for t in batch.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
+        is_decode = cu[-1] == len(batch.seqs)
+        attn = AttentionBatch(
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_query_lens=self._tensor(cu, torch.int32),
+            is_decode=is_decode,
+        )
+        lora = self._lora_batch(batch, token_slots, cu, is_decode)
+        with torch.inference_mode():
+            hidden = self.model.forward(self._tensor(input_ids, torch.int64), attn, self.kv_cache, lora)
+            out = RunnerOutput([None] * len(batch.seqs), [None] * len(batch.seqs), [None] * len(batch.seqs))
+            if not sample_rows:
+                return out
+            logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
+            seqs = [batch.seqs[i] for i in sample_seqs]
+            tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+            chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
+        for j, i in enumerate(sample_seqs):
+            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]
+        return out
+
+    def _lora_batch(self, batch, token_slots, cu, is_decode) -> LoraBatch | None:
+        slots = [seq.adapter_slot for seq in batch.seqs]
+        if self.lora_slots is None or max(slots) < 0:
+            return None
+        seg_starts, seg_slots = [0], []
+        for b, slot in enumerate(slots):  # merge neighbours that share an adapter
+            if seg_slots and seg_slots[-1] == slot:
+                seg_starts[-1] = cu[b + 1]
+            else:
+                seg_slots.append(slot)
+                seg_starts.append(cu[b + 1])
+        return LoraBatch(
+            slots=self.lora_slots,
+            token_slots=self._tensor(token_slots, torch.int32),
+            seg_starts=self._tensor(seg_starts, torch.int32),
+            seg_slots=self._tensor(seg_slots, torch.int32),
+            is_decode=is_decode,
+        )
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

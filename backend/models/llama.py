@@ -1,0 +1,138 @@
+"""LLaMA-family forward (Llama, Mistral, Qwen2) over a paged KV cache with per-token LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..lora.shapes import MODULES
+from .loader import load_hf_config, load_safetensors
+from .rope import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where the step's tokens go and what they attend to."""
+
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]: block * block_size + offset
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]: cached + new tokens
+    cu_query_lens: torch.Tensor  # int32 [B+1]
+    is_decode: bool  # every sequence has exactly one new token
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """Which adapter slot each token uses (-1 = base model), as rows and as segments."""
+
+    slots: object  # LoraSlots (stacks per layer and module)
+    token_slots: torch.Tensor  # int32 [T]
+    seg_starts: torch.Tensor  # int32 [G+1]
+    seg_slots: torch.Tensor  # int32 [G]
+    is_decode: bool
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as HF does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights of a LLaMA-family checkpoint and its forward pass."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None):
+        self.config = cfg = load_hf_config(model_dir)
+        self.dtype, self.device = dtype, device
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.max_len = max_len or cfg.max_position_embeddings
+        self.scale = self.head_dim**-0.5
+        w = load_safetensors(model_dir, dtype, device)
+        self.embed = w.pop("model.embed_tokens.weight")
+        self.lm_head = w.pop("lm_head.weight", None)
+        if self.lm_head is None:
+            self.lm_head = self.embed  # tied embeddings
+        self.norm = w.pop("model.norm.weight")
+        self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
+        self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
+
+    @staticmethod
+    def _take_layer(w: dict, i: int) -> dict:
+        p = f"model.layers.{i}."
+        names = {
+            "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+            "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+            "down_proj": "mlp.down_proj",
+        }
+        layer = {m: w.pop(p + n + ".weight") for m, n in names.items()}
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            layer[m + ".bias"] = w.pop(p + names[m] + ".bias", None)
+        layer["input_norm"] = w.pop(p + "input_layernorm.weight")
+        layer["post_norm"] = w.pop(p + "post_attention_layernorm.weight")
+        return layer
+
+    def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        layer = self.layers[layer_idx]
+        y = F.linear(x, layer[module], layer.get(module + ".bias"))
+        if lora is not None:
+            s = lora.slots
+            a, b = s.a[layer_idx][module], s.b[layer_idx][module]
+            ranks, scales = s.ranks[layer_idx][module], s.scales[layer_idx][module]
+            if lora.is_decode:
+                v = kernels.lora_shrink_bgmv(x, a, lora.token_slots, ranks)
+                kernels.lora_expand_bgmv(y, v, b, lora.token_slots, ranks, scales)
+            else:
+                v = kernels.lora_shrink_sgmv(x, a, lora.seg_starts, lora.seg_slots, ranks)
+                kernels.lora_expand_sgmv(y, v, b, lora.seg_starts, lora.seg_slots, ranks, scales)
+        return y
+
+    def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraBatch | None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache."""
+        h = self.embed[input_ids]
+        t = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer["input_norm"], self.eps)
+            q = self._proj(i, "q_proj", x, lora).view(t, self.num_heads, self.head_dim)
+            k = self._proj(i, "k_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
+            v = self._proj(i, "v_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
+            q, k = self.rope.apply(q, attn.positions), self.rope.apply(k, attn.positions)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+            if attn.is_decode:
+                o = kernels.paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
+            else:
+                o = kernels.paged_attention_prefill(
+                    q, k_cache, v_cache, attn.block_tables, attn.cu_query_lens, attn.context_lens, self.scale
+                )
+            h = h + self._proj(i, "o_proj", o.reshape(t, -1), lora)
+            x = rms_norm(h, layer["post_norm"], self.eps)
+            act = F.silu(self._proj(i, "gate_proj", x, lora)) * self._proj(i, "up_proj", x, lora)
+            h = h + self._proj(i, "down_proj", act, lora)
+        return rms_norm(h, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits in fp32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """Zeroed cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+
+__all__ = ["LlamaModel", "AttentionBatch", "LoraBatch", "MODULES"]

@@ -1,0 +1,52 @@
+"""Rotary position embeddings (default, linear and llama3 scaling), HF rotate-half layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _rope_settings(config) -> tuple[float, dict]:
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    settings = dict(params) if params else dict(scaling)
+    return float(theta), settings
+
+
+def inv_frequencies(config, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for the checkpoint's rope settings."""
+    theta, settings = _rope_settings(config)
+    kind = settings.get("rope_type", settings.get("type", "default")) or "default"
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # as HF
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / settings["factor"]).float()
+    if kind == "llama3":
+        factor, low, high = settings["factor"], settings["low_freq_factor"], settings["high_freq_factor"]
+        old_len = settings["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables applied to q and k at given positions."""
+
+    def __init__(self, config, head_dim: int, max_len: int, device, dtype):
+        inv = inv_frequencies(config, head_dim).to(device)
+        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by positions [T]."""
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

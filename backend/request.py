@@ -1,0 +1,230 @@
+"""Requests, their sampling parameters and the sequences the scheduler runs."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """Bad client input: becomes an INVALID_ARG error response."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop string or a stop token
+    LENGTH = "length"  # max_tokens or the model's max length
+    ABORT = "abort"  # cancelled by the client
+    TIMEOUT = "timeout"  # the request's timeout elapsed
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return int(value) if isinstance(value, (int, str)) else _raise()
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError
+    return float(value)
+
+
+def _as_str_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return [value]
+        value = parsed if isinstance(parsed, list) else [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError
+    return list(value)
+
+
+def _as_int_list(value: Any) -> list[int]:
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list):
+        raise ValueError
+    return [_as_int(v) for v in value]
+
+
+def _as_optional_str(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    raise ValueError
+
+
+def _raise():
+    raise ValueError
+
+
+# Penalties are accepted only at their neutral value (OpenAI frontends send them).
+_NEUTRAL_ONLY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """vLLM-compatible sampling parameters (the `sampling_parameters` JSON)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    priority: int = 0
+    lora_name: str | None = None
+    timeout: float | None = None
+    skip_special_tokens: bool = True
+
+    _PARSERS = {
+        "max_tokens": _as_int, "min_tokens": _as_int, "temperature": _as_float, "top_p": _as_float,
+        "top_k": _as_int, "seed": _as_int, "stop": _as_str_list, "stop_token_ids": _as_int_list,
+        "n": _as_int, "ignore_eos": _as_bool, "logprobs": _as_int, "priority": _as_int,
+        "lora_name": _as_optional_str, "timeout": _as_float, "skip_special_tokens": _as_bool,
+    }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Parse and validate; raises InvalidRequest naming the offending key."""
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key in _NEUTRAL_ONLY:
+                try:
+                    neutral = _as_float(raw) == _NEUTRAL_ONLY[key]
+                except (TypeError, ValueError):
+                    neutral = False
+                if raw is not None and not neutral:
+                    raise InvalidRequest(f"sampling parameter '{key}' is not supported (only {_NEUTRAL_ONLY[key]})")
+                continue
+            parser = cls._PARSERS.get(key)
+            if parser is None:
+                known = sorted(list(cls._PARSERS) + list(_NEUTRAL_ONLY))
+                raise InvalidRequest(f"unknown sampling parameter '{key}'; known: {', '.join(known)}")
+            if raw is None and key in ("seed", "logprobs", "lora_name", "timeout"):
+                continue
+            try:
+                kwargs[key] = parser(raw)
+            except (TypeError, ValueError):
+                raise InvalidRequest(
+                    f"sampling parameter '{key}' has value {raw!r}, which is not a valid {parser.__name__[4:]}"
+                ) from None
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Range checks; raises InvalidRequest."""
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1 or self.top_k == 0, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.timeout is None or self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
+            (all(self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """One client request: a prompt, its parameters, its tenant and adapter."""
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    arrival_time: float = field(default_factory=time.monotonic)
+    adapter_digest: str | None = None  # set at admission; part of the prefix-cache namespace
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One generated sample of a request: what the scheduler schedules."""
+
+    seq_id: int
+    request: Request
+    index: int  # sample index within the request (n > 1)
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    adapter_slot: int = -1
+    finish_reason: FinishReason | None = None
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+    detok: Any = None  # IncrementalDetokenizer
+    generator: Any = None  # torch.Generator of a seeded sample
+    namespace: bytes = b""  # prefix-cache namespace (tenant, adapter digest)
+    pending_logprobs: list = field(default_factory=list)  # top candidates not yet reported
+    num_sent_tokens: int = 0  # output tokens already reported
+    num_sent_chars: int = 0  # output text already reported
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated token ids."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not yet in the cache."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta for one sample of one request, pushed to the response thread."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+    num_input_tokens: int = 0
+    error: Exception | None = None

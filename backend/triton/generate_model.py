@@ -1,0 +1,98 @@
+"""TritonPythonModel for `lora_llm`: decoupled generation with per-request LoRA adapters."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..lora.manager import AdapterNotFound
+from ..request import InvalidRequest
+from .parsing import parse_generate_input
+from .responder import Responder
+
+log = logging.getLogger("loraplex.triton")
+
+INPUT_NAMES = (
+    "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+    "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
+)
+
+
+def load_multi_lora(path: Path) -> dict[str, str]:
+    """vllm_backend's multi_lora.json: adapter name -> PEFT directory (relative to the file)."""
+    if not path.exists():
+        return {}
+    entries = json.loads(path.read_text())
+    return {name: str((path.parent / p).resolve()) for name, p in entries.items()}
+
+
+def engine_config_from_model_config(model_config: dict, model_dir: Path) -> EngineConfig:
+    """Config parameters of config.pbtxt (engine_config JSON, model_dir), then env overrides."""
+    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    values = json.loads(params.get("engine_config", "{}") or "{}")
+    if params.get("model_dir"):
+        values["model_dir"] = str((model_dir / params["model_dir"]).resolve())
+    return EngineConfig.from_dict(values).with_env_overrides()
+
+
+class TritonPythonModel:
+    """Triton entry point: execute() validates and enqueues; threads do the rest."""
+
+    def initialize(self, args):
+        logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"))
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("lora_llm must be decoupled (model_transaction_policy { decoupled: true })")
+        model_dir = Path(args["model_repository"])
+        config = engine_config_from_model_config(model_config, model_dir)
+        multi_lora = load_multi_lora(model_dir / args["model_version"] / "multi_lora.json")
+        config.multi_lora = {**multi_lora, **config.multi_lora}
+        self.ids = itertools.count()
+        self.engine = LLMEngine(config)
+        self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
+        self.engine.on_outputs = self.responder.push
+        self.responder.start()
+        self.engine.start()
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._enqueue(request, sender)
+            except InvalidRequest as exc:
+                self.responder.send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except AdapterNotFound as exc:
+                self.responder.send_error(sender, exc.args[0] if exc.args else str(exc), pb_utils.TritonError.NOT_FOUND)
+            except Exception as exc:  # a bug must still end the request
+                log.exception("request failed before it was queued")
+                self.responder.send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def _enqueue(self, request, sender) -> None:
+        inputs = {}
+        for name in INPUT_NAMES:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        parameters = json.loads(request.parameters() or "{}")
+        parsed = parse_generate_input(inputs, parameters)
+        request_id = f"{next(self.ids)}:{request.request_id()}"
+        engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, parsed.tenant)
+        self.responder.register(
+            request_id, sender, parsed.stream, parsed.prompt, parsed.exclude_input, parsed.returns, parsed.params.n
+        )
+        self.engine.add_request(engine_request)
+
+    def finalize(self):
+        self.engine.stop()
+        self.responder.stop()

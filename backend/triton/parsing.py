@@ -1,0 +1,83 @@
+"""Turn a Triton request's tensors and parameters into a prompt, sampling params and flags.
+
+Follows Triton's vllm_backend interface so its clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..request import InvalidRequest, SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """Everything execute() needs from one request."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+    returns: dict[str, bool]
+    tenant: str
+
+
+def _scalar(array) -> object:
+    value = np.asarray(array).reshape(-1)
+    if value.size != 1:
+        raise InvalidRequest(f"expected exactly one element, got {value.size}")
+    item = value[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
+
+
+def _flag(inputs: dict, name: str, default: bool) -> bool:
+    if name not in inputs:
+        return default
+    try:
+        return bool(_scalar(inputs[name]))
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{name}: {exc}") from None
+
+
+def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateInput:
+    """Validate one request; raises InvalidRequest with a message for the client."""
+    if "text_input" not in inputs:
+        raise InvalidRequest("missing required input 'text_input'")
+    try:
+        prompt = _scalar(inputs["text_input"])
+    except (InvalidRequest, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"text_input: {exc}") from None
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequest("text_input is empty")
+    stream = _flag(inputs, "stream", False)
+    # vllm_backend: echo the prompt unless excluded; a streamed response never echoes.
+    exclude_input = _flag(inputs, "exclude_input_in_output", stream)
+    if stream and not exclude_input:
+        raise InvalidRequest("Streaming with `exclude_input_in_output=False` is not allowed.")
+    sampling: dict = {}
+    if "sampling_parameters" in inputs:
+        raw = _scalar(inputs["sampling_parameters"])
+        try:
+            sampling = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(sampling, dict):
+            raise InvalidRequest("sampling_parameters must be a JSON object")
+    tenant = str(parameters.get("x-tenant-id") or parameters.get("tenant") or "default")
+    for key, value in parameters.items():
+        if key in SamplingParams._PARSERS or key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            sampling.setdefault(key, value)
+    params = SamplingParams.from_dict(sampling)
+    returns = {name: _flag(inputs, name, False) for name in RETURN_FLAGS}
+    return GenerateInput(prompt, params, stream, exclude_input, returns, tenant)

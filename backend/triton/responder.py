@@ -1,0 +1,213 @@
+"""The response thread: coalesces engine deltas per request and sends them via Triton senders.
+
+One send costs ~250 us in the Python backend, so every delta pending for a request goes
+out as one response; the engine loop never blocks on delivery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("loraplex.responder")
+
+CANCEL_POLL_SECONDS = 0.02
+
+
+@dataclass(slots=True)
+class Pending:
+    """Per request: its sender, what the client asked for, and unsent deltas per sample."""
+
+    sender: object
+    stream: bool
+    prompt: str
+    exclude_input: bool
+    returns: dict
+    n: int
+    texts: list = field(default_factory=list)
+    num_tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: list = field(default_factory=list)
+    cumulative: list = field(default_factory=list)
+    num_input_tokens: int = 0
+    dirty: bool = False
+    abort_requested: bool = False
+
+    def __post_init__(self):
+        self.texts, self.num_tokens = [""] * self.n, [0] * self.n
+        self.logprobs, self.finish = [[] for _ in range(self.n)], [None] * self.n
+        self.cumulative = [0.0] * self.n
+
+    def reset_deltas(self) -> None:
+        """After a streamed send, the next response carries only what comes next."""
+        self.texts, self.num_tokens = [""] * self.n, [0] * self.n
+        self.logprobs = [[] for _ in range(self.n)]
+        self.dirty = False
+
+
+class Responder:
+    """Owns the senders; turns RequestOutput deltas into Triton responses."""
+
+    def __init__(self, pb_utils, abort: callable, decode_token: callable):
+        self.pb = pb_utils
+        self.abort = abort
+        self.decode_token = decode_token
+        self.pending: dict[str, Pending] = {}
+        self.lock = threading.Lock()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="loraplex-responder", daemon=True)
+
+    def start(self) -> None:
+        """Start the response thread."""
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the response thread after it drains."""
+        self.stopping = True
+        self.queue.put(None)
+        self.thread.join(5)
+
+    def register(self, request_id: str, sender, stream: bool, prompt: str, exclude_input: bool, returns: dict, n: int):
+        """Remember a request before the engine can produce output for it."""
+        with self.lock:
+            self.pending[request_id] = Pending(sender, stream, prompt, exclude_input, returns, n)
+
+    def push(self, outputs: list) -> None:
+        """Called by the engine loop; never blocks."""
+        self.queue.put(outputs)
+
+    def send_error(self, sender, message: str, code) -> None:
+        """An error response with the FINAL flag."""
+        error = self.pb.TritonError(message, code)
+        sender.send(self.pb.InferenceResponse(output_tensors=[], error=error),
+                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _run(self) -> None:
+        next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+        while not self.stopping:
+            try:
+                batch = self.queue.get(timeout=CANCEL_POLL_SECONDS)
+            except queue.Empty:
+                batch = []
+            if batch is None:
+                break
+            batches = [batch]
+            while not self.queue.empty():  # coalesce everything already pending
+                more = self.queue.get_nowait()
+                if more is None:
+                    self.stopping = True
+                    break
+                batches.append(more)
+            touched: dict[str, Pending] = {}
+            for outputs in batches:
+                for out in outputs:
+                    self._absorb(out, touched)
+            for request_id, p in touched.items():
+                self._flush(request_id, p)
+            if time.monotonic() >= next_poll:
+                self._poll_cancelled()
+                next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+
+    def _absorb(self, out, touched: dict) -> None:
+        with self.lock:
+            p = self.pending.get(out.request_id)
+        if p is None:
+            return
+        if out.error is not None:
+            with self.lock:
+                self.pending.pop(out.request_id, None)
+            touched.pop(out.request_id, None)
+            self._send_exception(p.sender, out.error)
+            return
+        i = out.index
+        p.texts[i] += out.text
+        p.num_tokens[i] += len(out.token_ids)
+        p.cumulative[i] = out.cumulative_logprob
+        p.num_input_tokens = out.num_input_tokens
+        if out.logprobs:
+            p.logprobs[i] += out.logprobs
+        if out.finished:
+            p.finish[i] = out.finish_reason
+        p.dirty = True
+        touched[out.request_id] = p
+
+    def _flush(self, request_id: str, p: Pending) -> None:
+        done = all(f is not None for f in p.finish)
+        if not p.stream and not done:
+            return
+        if p.stream and not any(p.texts) and not any(p.num_tokens) and not done:
+            return
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0
+        try:
+            p.sender.send(self._response(p, done), flags=flags)
+        except Exception:  # the client went away; nothing else to do for it
+            log.exception("send failed for request %s", request_id)
+            done = True
+        if done:
+            with self.lock:
+                self.pending.pop(request_id, None)
+        else:
+            p.reset_deltas()
+
+    def _response(self, p: Pending, done: bool):
+        pb = self.pb
+        texts = p.texts if p.exclude_input else [p.prompt + t for t in p.texts]
+        tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_))]
+        r = p.returns
+        if r["return_finish_reason"]:
+            reasons = [str(f) if f is not None else "None" for f in p.finish]
+            tensors.append(pb.Tensor("finish_reason", np.array([s.encode() for s in reasons], dtype=np.object_)))
+        if r["return_cumulative_logprob"]:
+            tensors.append(pb.Tensor("cumulative_logprob", np.array(p.cumulative, dtype=np.float32)))
+        if r["return_logprobs"]:
+            blobs = [json.dumps(self._logprobs_json(lp)).encode() for lp in p.logprobs]
+            tensors.append(pb.Tensor("logprobs", np.array(blobs, dtype=np.object_)))
+        if r["return_num_input_tokens"]:
+            tensors.append(pb.Tensor("num_input_tokens", np.array([p.num_input_tokens], dtype=np.uint32)))
+        if r["return_num_output_tokens"]:
+            tensors.append(pb.Tensor("num_output_tokens", np.array(p.num_tokens, dtype=np.uint32)))
+        return pb.InferenceResponse(output_tensors=tensors)
+
+    def _logprobs_json(self, entries: list) -> list | None:
+        """vllm_backend's shape: per token, {token_id: {logprob, rank, decoded_token}}."""
+        if not entries:
+            return None
+        result = []
+        for e in entries:
+            token_id, logprob, rank = e["token"]
+            item = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self.decode_token(token_id)}}
+            for k, (tid, lp) in enumerate(e["top"], start=1):
+                item.setdefault(str(tid), {"logprob": lp, "rank": k, "decoded_token": self.decode_token(tid)})
+            result.append(item)
+        return result
+
+    def _send_exception(self, sender, exc: Exception) -> None:
+        from ..engine import RequestCancelled
+
+        codes = self.pb.TritonError
+        code = codes.CANCELLED if isinstance(exc, RequestCancelled) else codes.INTERNAL
+        try:
+            self.send_error(sender, str(exc) or type(exc).__name__, code)
+        except Exception:
+            log.exception("could not send error response")
+
+    def _poll_cancelled(self) -> None:
+        with self.lock:
+            items = list(self.pending.items())
+        for request_id, p in items:
+            if p.abort_requested:
+                continue
+            try:
+                cancelled = p.sender.is_cancelled()
+            except Exception:
+                cancelled = True
+            if cancelled:
+                p.abort_requested = True
+                self.abort(request_id)

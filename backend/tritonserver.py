@@ -1,0 +1,459 @@
+"""Find, configure and run a real ``tritonserver`` process.
+
+Two installations are recognised:
+
+* the ``nvidia-pytriton`` wheel (installed with ``--no-deps``; only its bundled
+  files are used): ``pytriton/tritonserver/bin/tritonserver``, the Python backend in
+  ``pytriton/tritonserver/backends/python/``, one Python-backend stub per Python
+  version in ``pytriton/tritonserver/python_backend_stubs/<major.minor>/`` and the
+  shared libraries in the sibling ``nvidia_pytriton.libs/`` folder;
+* NVIDIA's container, ``/opt/tritonserver``.
+
+``LORAPLEX_TRITON_ROOT`` may point at either layout explicitly.
+
+How the Python-backend stub finds our packages: the stub embeds CPython and, having no
+program name of its own, resolves ``python3`` through ``PATH``. Putting the running
+interpreter's ``bin/`` folder (the virtualenv's) first on ``PATH`` makes the embedded
+interpreter find ``pyvenv.cfg`` there, so it runs *as that virtualenv*: its
+site-packages are a site dir and their ``.pth`` files (the editable install's finder)
+are processed. ``LD_LIBRARY_PATH`` starts with the running interpreter's own
+``libpython`` folder (when it is a shared build), so the stub loads the same CPython
+build as the virtualenv instead of whatever ``libpython3.X.so`` the system has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+DEFAULT_HEADER_PATTERN = "x-tenant-.*"
+CONTAINER_ROOT = Path("/opt/tritonserver")
+
+
+class TritonServerError(RuntimeError):
+    """tritonserver could not be found, failed to start, or died."""
+
+
+@dataclass(slots=True, frozen=True)
+class TritonInstall:
+    """Where one Triton installation keeps its binary, Python backend and libraries."""
+
+    server: Path
+    python_backend: Path
+    stub: Path | None
+    lib_dirs: tuple[Path, ...] = ()
+    kind: str = "pytriton"
+
+
+def project_root() -> Path:
+    """The source checkout this module lives in (else the current directory)."""
+    here = Path(__file__).resolve().parent.parent
+    if (here / "pyproject.toml").is_file():
+        return here
+    return Path.cwd()
+
+
+def cache_dir() -> Path:
+    """Writable cache folder: ``$LORAPLEX_CACHE_DIR`` or ``<project>/.cache``."""
+    env = os.environ.get("LORAPLEX_CACHE_DIR")
+    return Path(env) if env else project_root() / ".cache"
+
+
+def python_tag() -> str:
+    """The running interpreter's ``major.minor``."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _pytriton_install(pkg_dir: Path) -> TritonInstall | None:
+    root = pkg_dir / "tritonserver"
+    server = root / "bin" / "tritonserver"
+    backend = root / "backends" / "python"
+    stub = root / "python_backend_stubs" / python_tag() / "triton_python_backend_stub"
+    if not (server.is_file() and (backend / "libtriton_python.so").is_file()):
+        return None
+    if not stub.is_file():
+        raise TritonServerError(
+            f"{root} has no Python-backend stub for Python {python_tag()} "
+            f"(have: {sorted(p.name for p in (root / 'python_backend_stubs').iterdir())})"
+        )
+    libs = [p for p in (pkg_dir.parent / "nvidia_pytriton.libs", root / "lib") if p.is_dir()]
+    return TritonInstall(server, backend, stub, tuple(libs), "pytriton")
+
+
+def _container_install(root: Path) -> TritonInstall | None:
+    server = root / "bin" / "tritonserver"
+    backend = root / "backends" / "python"
+    if not (server.is_file() and (backend / "libtriton_python.so").is_file()):
+        return None
+    stub = backend / "triton_python_backend_stub"
+    libs = [p for p in (root / "lib",) if p.is_dir()]
+    return TritonInstall(server, backend, stub if stub.is_file() else None, tuple(libs), "container")
+
+
+def find_triton() -> TritonInstall:
+    """Locate tritonserver: ``$LORAPLEX_TRITON_ROOT``, the pytriton wheel, or /opt/tritonserver."""
+    explicit = os.environ.get("LORAPLEX_TRITON_ROOT")
+    if explicit:
+        root = Path(explicit)
+        found = (_pytriton_install(root) if (root / "tritonserver").is_dir() else None) or (
+            _container_install(root)
+        )
+        if found is None:
+            raise TritonServerError(f"LORAPLEX_TRITON_ROOT={explicit} holds no tritonserver")
+        return found
+    spec = importlib.util.find_spec("pytriton")  # locates without importing pytriton
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            found = _pytriton_install(Path(loc))
+            if found is not None:
+                return found
+    found = _container_install(CONTAINER_ROOT)
+    if found is not None:
+        return found
+    raise TritonServerError(
+        "tritonserver not found: install it with `pip install --no-deps nvidia-pytriton` "
+        "(or run in NVIDIA's Triton container, /opt/tritonserver)"
+    )
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    try:
+        s, d = src.stat(), dst.stat()
+        if s.st_size == d.st_size and int(s.st_mtime) == int(d.st_mtime):
+            return
+    except FileNotFoundError:
+        pass
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+    os.close(fd)
+    try:
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)  # atomic: a running server keeps the old inode
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def prepare_backends(install: TritonInstall, root: Path | None = None) -> Path:
+    """A backends folder holding ``python/`` with the stub for this interpreter beside the .so."""
+    if install.kind == "container" and install.stub is not None:
+        return install.python_backend.parent
+    key = hashlib.sha256(f"{install.python_backend}|{install.stub}".encode()).hexdigest()[:12]
+    backends = (root or cache_dir() / "triton_backends") / f"py{python_tag()}-{key}"
+    target = backends / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        _copy_if_changed(install.python_backend / name, target / name)
+    if install.stub is None:
+        raise TritonServerError(f"no triton_python_backend_stub for {install.python_backend}")
+    _copy_if_changed(install.stub, target / "triton_python_backend_stub")
+    os.chmod(target / "triton_python_backend_stub", 0o755)
+    return backends
+
+
+def _python_lib_dir() -> str | None:
+    libdir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname:
+        if (Path(libdir) / soname).exists():
+            return libdir
+    return None
+
+
+def _prepend(path_list: Iterable[str], existing: str | None) -> str:
+    parts = [p for p in path_list if p]
+    if existing:
+        parts += [p for p in existing.split(os.pathsep) if p and p not in parts]
+    return os.pathsep.join(parts)
+
+
+def server_env(install: TritonInstall, extra: Mapping[str, str] | None = None,
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver so its Python stub runs as this interpreter's virtualenv."""
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONHOME", None)  # would override the virtualenv detection below
+    libs = [_python_lib_dir()] + [str(p) for p in install.lib_dirs]
+    env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH"))
+    bindir = os.path.dirname(sys.executable)  # not resolved: the venv's bin/ holds pyvenv.cfg's sibling
+    env["PATH"] = _prepend([bindir], env.get("PATH"))
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, max_bytes: int = 8000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+
+
+_PORT_IN_USE = ("already in use",)
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process in its own process group; a context manager.
+
+    ``with TritonServer(model_repository="model_repository", env={...}) as srv:`` starts
+    the server and waits until ``/v2/health/ready``; leaving the block stops it.
+    Ports left ``None`` are picked free (and re-picked if a port was taken meanwhile).
+    """
+
+    model_repository: str | os.PathLike
+    env: Mapping[str, str] | None = None
+    http_port: int | None = None
+    grpc_port: int | None = None
+    metrics_port: int | None = None
+    address: str = "127.0.0.1"
+    log_verbose: int = 0
+    exit_timeout_secs: int = 5
+    header_forward_pattern: str = DEFAULT_HEADER_PATTERN
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    ready_timeout: float = 120.0
+    install: TritonInstall | None = None
+    proc: subprocess.Popen | None = field(default=None, init=False)
+    _auto_ports: bool = field(default=False, init=False)
+    _log_file: object = field(default=None, init=False, repr=False)
+
+    # ---- addresses -------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        """Host clients should connect to."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "", "::") else self.address
+
+    @property
+    def http_address(self) -> str:
+        """``host:port`` of the HTTP endpoint (what ``tritonclient.http`` takes)."""
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def http_url(self) -> str:
+        """``http://host:port`` of the HTTP endpoint."""
+        return f"http://{self.http_address}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint (what ``tritonclient.grpc`` takes)."""
+        return f"{self.host}:{self.grpc_port}"
+
+    grpc_address = grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics`` (Prometheus text)."""
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id (also the process-group id) of the running server."""
+        return self.proc.pid if self.proc else None
+
+    # ---- command line ----------------------------------------------------------
+    def command(self, backends: Path) -> list[str]:
+        """The tritonserver command line."""
+        inst = self.install
+        assert inst is not None
+        return [
+            str(inst.server),
+            "--model-repository", str(Path(self.model_repository).resolve()),
+            "--backend-directory", str(backends),
+            "--http-address", self.address,
+            "--http-port", str(self.http_port),
+            "--grpc-address", self.address,
+            "--grpc-port", str(self.grpc_port),
+            "--metrics-address", self.address,
+            "--metrics-port", str(self.metrics_port),
+            "--exit-timeout-secs", str(self.exit_timeout_secs),
+            "--grpc-header-forward-pattern", self.header_forward_pattern,
+            "--http-header-forward-pattern", self.header_forward_pattern,
+            "--log-verbose", str(self.log_verbose),
+            *self.extra_args,
+        ]
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> "TritonServer":
+        """Launch tritonserver in a new session (its own process group); does not wait."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise TritonServerError("already running")
+        self.install = self.install or find_triton()
+        backends = prepare_backends(self.install)
+        if None in (self.http_port, self.grpc_port, self.metrics_port):
+            self._auto_ports = True
+        if self._auto_ports:
+            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        if self.log_path is None:
+            logs = cache_dir() / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(dir=logs, prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path = Path(self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command(backends)
+        env = server_env(self.install, self.env)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return self
+
+    def is_ready(self) -> bool:
+        """Whether ``/v2/health/ready`` answers 200 right now."""
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def log_tail(self, max_bytes: int = 8000) -> str:
+        """The last part of the server log."""
+        return _tail(self.log_path, max_bytes) if self.log_path else "(no log)"
+
+    def wait_ready(self, timeout: float | None = None) -> "TritonServer":
+        """Block until the server is ready; raise TritonServerError (with the log tail) if it exits or times out."""
+        if self.proc is None:
+            raise TritonServerError("not started")
+        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self._reap_group()
+                raise TritonServerError(
+                    f"tritonserver exited with code {rc} before becoming ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return self
+            if time.monotonic() > deadline:
+                raise TritonServerError(
+                    f"tritonserver not ready after {timeout or self.ready_timeout:.0f}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.2)
+
+    def start_and_wait(self, timeout: float | None = None, retries: int = 3) -> "TritonServer":
+        """Start and wait until ready, retrying with new ports if auto-picked ports were taken."""
+        for attempt in range(retries):
+            self.start()
+            try:
+                return self.wait_ready(timeout)
+            except TritonServerError as exc:
+                self.stop()
+                port_clash = self._auto_ports and any(s in str(exc) for s in _PORT_IN_USE) \
+                    and "ready after" not in str(exc)
+                if not port_clash or attempt == retries - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _group_alive(self) -> bool:
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _reap_group(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Stop gracefully (SIGINT to the server), then SIGKILL its whole process group after ``grace`` s."""
+        proc = self.proc
+        if proc is None:
+            return None
+        try:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Anything left in the group (the server past its grace, orphaned stubs) dies now.
+            self._reap_group()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+                pass
+            deadline = time.monotonic() + 5
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return proc.returncode
+        finally:
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start_and_wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def engine_env(model_dir: str | os.PathLike | None = None, adapter_store: str | os.PathLike | None = None,
+               engine_config: Mapping | str | None = None) -> dict[str, str]:
+    """The LORAPLEX_* environment variables the engine reads."""
+    env: dict[str, str] = {}
+    if model_dir is not None:
+        env["LORAPLEX_MODEL_DIR"] = str(Path(model_dir).resolve())
+    if adapter_store is not None:
+        env["LORAPLEX_ADAPTER_STORE"] = str(Path(adapter_store).resolve())
+    if engine_config is not None:
+        env["LORAPLEX_ENGINE_CONFIG"] = engine_config if isinstance(engine_config, str) \
+            else json.dumps(dict(engine_config))
+    return env

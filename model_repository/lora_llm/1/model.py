@@ -1,0 +1,1 @@
+from loraplex.triton.generate_model import TritonPythonModel  # noqa: F401

@@ -1,0 +1,369 @@
+"""PEFT adapter loading and validation, with peft itself as the oracle."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
+
+from loraplex.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
+from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
+
+ALL = list(MODULES)
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+Q0_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def tiny_config(**kw):
+    args = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=300)
+    return LlamaConfig(**{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    return tiny_config()
+
+
+@pytest.fixture(scope="module")
+def base_model(hf_config):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(hf_config).eval()
+
+
+@pytest.fixture(scope="module")
+def make(base_model, tmp_path_factory):
+    """make(seed, **LoraConfig kwargs) -> (adapter folder, peft model)."""
+
+    def build(seed=1, **kw):
+        kw.setdefault("r", 4)
+        kw.setdefault("lora_alpha", 8)
+        kw.setdefault("target_modules", ALL)
+        torch.manual_seed(seed)
+        pm = get_peft_model(copy.deepcopy(base_model), LoraConfig(init_lora_weights=False, **kw))
+        folder = tmp_path_factory.mktemp("adapter")
+        pm.save_pretrained(str(folder))
+        return folder, pm
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def good(make):
+    return make(seed=1)
+
+
+def peft_module(pm, layer, module):
+    layer_mod = pm.base_model.model.model.layers[layer]
+    parent = layer_mod.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else layer_mod.mlp
+    return getattr(parent, module)
+
+
+def load(folder, hf_config, max_rank=16, **kw) -> LoraAdapter:
+    return load_peft_adapter(folder, "t", hf_config, max_rank, **kw)
+
+
+def copy_of(good, tmp_path):
+    dst = tmp_path / "a"
+    shutil.copytree(good[0], dst)
+    return dst
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / CONFIG).read_text())
+    cfg.update(changes)
+    (folder / CONFIG).write_text(json.dumps(cfg))
+
+
+def edit_tensors(folder, fn):
+    tensors = load_file(str(folder / WEIGHTS))
+    fn(tensors)
+    save_file(tensors, str(folder / WEIGHTS))
+
+
+# shapes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [
+    tiny_config(),
+    tiny_config(head_dim=32),
+    MistralConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                  intermediate_size=96, vocab_size=300),
+    Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                intermediate_size=80, vocab_size=300),
+], ids=["llama", "llama-head_dim", "mistral", "qwen2"])
+def test_module_shapes_match_hf_linear_layers(cfg):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg)
+    layer = model.model.layers[0]
+    expected = {}
+    for m in MODULES:
+        lin = getattr(layer.self_attn if m in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, m)
+        expected[m] = (lin.in_features, lin.out_features)
+    assert module_shapes(cfg) == expected
+
+
+def test_module_shapes_tiny_llama_exact(hf_config):
+    assert module_shapes(hf_config) == {
+        "q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+        "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64),
+    }
+
+
+@pytest.mark.parametrize("name,short", [
+    ("q_proj", "q_proj"), ("self_attn.k_proj", "k_proj"), ("model.layers.0.self_attn.o_proj", "o_proj"),
+    ("base_model.model.model.layers.3.mlp.down_proj", "down_proj"), ("mlp.gate_proj", "gate_proj"),
+])
+def test_normalize_target_accepts_short_and_full_names(name, short):
+    assert normalize_target(name) == short
+
+
+@pytest.mark.parametrize("name", ["lm_head", "embed_tokens", "mlp.q_proj", "self_attn.up_proj", "", "qkv_proj"])
+def test_normalize_target_rejects_unknown(name):
+    with pytest.raises(ValueError):
+        normalize_target(name)
+
+
+# loading -----------------------------------------------------------------------------
+
+
+def test_loaded_weights_equal_peft(good, hf_config):
+    folder, pm = good
+    ad = load(folder, hf_config)
+    assert ad.name == "t" and ad.path == str(folder) and ad.rank == 4
+    assert set(ad.weights) == {(layer, m) for layer in range(2) for m in MODULES}
+    for (layer, m), (a, b, scale) in ad.weights.items():
+        mod = peft_module(pm, layer, m)
+        assert torch.equal(a, mod.lora_A["default"].weight.detach())
+        assert torch.equal(b, mod.lora_B["default"].weight.detach())
+        assert scale == mod.scaling["default"] == 2.0
+        assert a.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
+    cfg_bytes = (folder / CONFIG).read_bytes()
+    w_bytes = (folder / WEIGHTS).read_bytes()
+    assert ad.digest == hashlib.sha256(len(cfg_bytes).to_bytes(8, "little") + cfg_bytes + w_bytes).hexdigest()
+    assert ad.nbytes() == sum(a.nbytes + b.nbytes for a, b, _ in ad.weights.values())
+
+
+def test_rslora_scale_is_alpha_over_sqrt_r(make, hf_config):
+    folder, pm = make(seed=2, r=4, lora_alpha=8, use_rslora=True, target_modules=["v_proj"])
+    ad = load(folder, hf_config)
+    for (layer, m), (_a, _b, scale) in ad.weights.items():
+        assert scale == pytest.approx(8 / math.sqrt(4))
+        assert scale == pytest.approx(peft_module(pm, layer, m).scaling["default"])
+
+
+def test_rank_and_alpha_patterns_follow_peft(make, hf_config):
+    folder, pm = make(seed=3, r=4, lora_alpha=8,
+                      rank_pattern={"down_proj": 2, "model.layers.1.self_attn.q_proj": 8},
+                      alpha_pattern={"v_proj": 3})
+    ad = load(folder, hf_config)
+    assert ad.rank == 8
+    for (layer, m), (a, b, scale) in ad.weights.items():
+        mod = peft_module(pm, layer, m)
+        r = mod.r["default"]
+        assert a.shape == (r, module_shapes(hf_config)[m][0]) and b.shape[1] == r
+        assert scale == pytest.approx(mod.scaling["default"])
+    assert ad.weights[(1, "q_proj")][0].shape[0] == 8
+    assert ad.weights[(0, "q_proj")][0].shape[0] == 4
+    assert ad.weights[(0, "down_proj")][0].shape[0] == 2
+    assert ad.weights[(0, "v_proj")][2] == pytest.approx(3 / 4)
+
+
+@pytest.mark.parametrize("layers,expected", [([1], {1}), (0, {0})])
+def test_layers_to_transform(make, hf_config, layers, expected):
+    folder, pm = make(seed=4, target_modules=["q_proj", "up_proj"], layers_to_transform=layers)
+    ad = load(folder, hf_config)
+    assert set(ad.weights) == {(layer, m) for layer in expected for m in ("q_proj", "up_proj")}
+    for (layer, m), (a, _b, _s) in ad.weights.items():
+        assert torch.equal(a, peft_module(pm, layer, m).lora_A["default"].weight.detach())
+
+
+def test_mixed_and_regex_target_modules(make, hf_config):
+    folder, _ = make(seed=5, target_modules=["k_proj", "o_proj", "gate_proj"])
+    assert set(load(folder, hf_config).weights) == {(i, m) for i in range(2) for m in ("k_proj", "o_proj", "gate_proj")}
+    folder, pm = make(seed=6, target_modules=r".*\.layers\.1\.(self_attn\.v_proj|mlp\.down_proj)")
+    ad = load(folder, hf_config)
+    assert set(ad.weights) == {(1, "v_proj"), (1, "down_proj")}
+    assert torch.equal(ad.weights[(1, "down_proj")][1], peft_module(pm, 1, "down_proj").lora_B["default"].weight.detach())
+
+
+def test_dtype_conversion(good, hf_config):
+    folder, pm = good
+    ad = load(folder, hf_config, dtype=torch.float16)
+    a, b, _ = ad.weights[(1, "gate_proj")]
+    assert a.dtype == b.dtype == torch.float16
+    assert torch.equal(a, peft_module(pm, 1, "gate_proj").lora_A["default"].weight.detach().half())
+
+
+@pytest.mark.parametrize("rename", [
+    lambda k: k.removeprefix("base_model.model."),
+    lambda k: k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"),
+], ids=["no-prefix", "adapter-name-segment"])
+def test_accepts_key_variants(good, hf_config, tmp_path, rename):
+    folder = copy_of(good, tmp_path)
+    ref = load(good[0], hf_config)
+    tensors = load_file(str(folder / WEIGHTS))
+    save_file({rename(k): v for k, v in tensors.items()}, str(folder / WEIGHTS))
+    ad = load(folder, hf_config)
+    assert set(ad.weights) == set(ref.weights)
+    for key, (a, b, s) in ref.weights.items():
+        assert torch.equal(ad.weights[key][0], a) and torch.equal(ad.weights[key][1], b) and ad.weights[key][2] == s
+
+
+# validation --------------------------------------------------------------------------
+
+
+def expect_error(folder, hf_config, *fragments, max_rank=16, **kw):
+    with pytest.raises(AdapterError) as info:
+        load(folder, hf_config, max_rank=max_rank, **kw)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_missing_folder_and_files(good, hf_config, tmp_path):
+    expect_error(tmp_path / "nope", hf_config, "does not exist")
+    folder = copy_of(good, tmp_path)
+    (folder / CONFIG).unlink()
+    expect_error(folder, hf_config, "missing adapter_config.json")
+    folder2 = tmp_path / "b"
+    shutil.copytree(good[0], folder2)
+    (folder2 / WEIGHTS).unlink()
+    expect_error(folder2, hf_config, "missing adapter_model.safetensors")
+
+
+def test_pickle_only_adapter_is_refused(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    torch.save(load_file(str(folder / WEIGHTS)), str(folder / "adapter_model.bin"))
+    (folder / WEIGHTS).unlink()
+    expect_error(folder, hf_config, "adapter_model.bin", "pickle", "refused")
+
+
+def test_unparseable_config(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    (folder / CONFIG).write_text("{not json")
+    expect_error(folder, hf_config, "adapter_config.json is not valid JSON")
+    (folder / CONFIG).write_text("[1, 2]")
+    expect_error(folder, hf_config, "JSON object")
+
+
+def test_corrupt_safetensors(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    (folder / WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    expect_error(folder, hf_config, "not a valid safetensors file")
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"peft_type": "PREFIX_TUNING"}, "peft_type is 'PREFIX_TUNING'"),
+    ({"use_dora": True}, "DoRA"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"r": 0}, "r must be a positive integer"),
+    ({"lora_alpha": "x"}, "lora_alpha must be a number"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]},
+     "unknown target module 'lm_head'"),
+    ({"target_modules": None}, "target_modules is not set"),
+    ({"layers_to_transform": [0, 1, 5]}, "layers_to_transform lists layer 5"),
+])
+def test_config_errors(good, hf_config, tmp_path, changes, fragment):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, **changes)
+    expect_error(folder, hf_config, fragment)
+
+
+def test_tensor_not_targeted_by_config(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, target_modules=["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    expect_error(folder, hf_config, "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight",
+                 "does not target")
+
+
+def test_shape_mismatch_names_tensor_and_expected_shape(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.zeros(4, 32)))
+    msg = expect_error(folder, hf_config, Q0_A, "[4, 32]", "expected [4, 64]")
+    assert msg.endswith("has shape [4, 32], expected [4, 64]")
+    folder2 = tmp_path / "b"
+    shutil.copytree(good[0], folder2)
+    edit_tensors(folder2, lambda t: t.__setitem__(Q0_B, torch.zeros(64, 3)))
+    expect_error(folder2, hf_config, Q0_B, "[64, 3]", "expected [64, 4]")
+
+
+def test_adapter_for_other_model_is_rejected(good, hf_config):
+    bigger = tiny_config(intermediate_size=256)
+    expect_error(good[0], bigger, "gate_proj.lora_B.weight", "expected [256, 4]")
+
+
+def test_rank_above_max_lora_rank(good, hf_config):
+    expect_error(good[0], hf_config, "rank 4", "max_lora_rank 2", max_rank=2)
+
+
+def test_incomplete_pair(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.pop(Q0_B))
+    expect_error(folder, hf_config, "incomplete LoRA pair", Q0_A, "lora_B missing")
+
+
+def test_targeted_module_without_tensors(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: (t.pop(Q0_A), t.pop(Q0_B)))
+    expect_error(folder, hf_config, "model.layers.0.self_attn.q_proj", "no lora_A / lora_B tensors")
+
+
+def test_layer_index_out_of_range(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
+    edit_tensors(folder, lambda t: t.__setitem__(key, torch.zeros(4, 64)))
+    expect_error(folder, hf_config, key, "layer 7", "2 layers")
+
+
+@pytest.mark.parametrize("key,fragment", [
+    ("base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight", "unknown LoRA target module"),
+    ("base_model.model.lm_head.lora_A.weight", "not a decoder-layer projection"),
+    ("base_model.model.model.embed_tokens.lora_embedding_A", "embeddings"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "lora_magnitude_vector"),
+    ("base_model.model.lm_head.weight", "not a LoRA weight"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "lora_bias"),
+])
+def test_unsupported_tensors(good, hf_config, tmp_path, key, fragment):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(key, torch.zeros(4, 64)))
+    expect_error(folder, hf_config, key, fragment)
+
+
+def test_non_floating_dtype(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.zeros(4, 64, dtype=torch.int32)))
+    expect_error(folder, hf_config, Q0_A, "torch.int32", "floating-point")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values(good, hf_config, tmp_path, bad):
+    folder = copy_of(good, tmp_path)
+
+    def poison(t):
+        t[Q0_B] = t[Q0_B].clone()
+        t[Q0_B][3, 1] = bad
+
+    edit_tensors(folder, poison)
+    expect_error(folder, hf_config, Q0_B, "NaN or infinite")
+
+
+def test_overflow_on_dtype_conversion(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.full((4, 64), 1e6)))
+    load(folder, hf_config)  # fine in fp32
+    expect_error(folder, hf_config, Q0_A, "overflows torch.float16", dtype=torch.float16)
