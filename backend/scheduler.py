@@ -57,9 +57,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
-        if seq.request.params.lora_name:
-            self.adapters.release(seq.request.params.lora_name)
-        seq.adapter_slot = -1
+        self._release_adapter(seq)
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -132,8 +130,8 @@ class Scheduler:
         return True
 
     def _release_adapter(self, seq: Sequence) -> None:
-        if seq.request.params.lora_name:
-            self.adapters.release(seq.request.params.lora_name)
+        if seq.request.params.lora_name and seq.adapter_slot >= 0:
+            self.adapters.release(seq.request.params.lora_name, slot=seq.adapter_slot)
         seq.adapter_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:

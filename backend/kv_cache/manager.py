@@ -121,7 +121,7 @@ class KVCacheManager:
                 if block.block_hash is None:
                     raise ValueError(f"block {bid} is no longer cached (allocate right after find_cached_prefix)")
                 if block.ref_count == 0:
-                    taken_free += 1
+                    pass
         elif cached_blocks:
             raise ValueError("cached_blocks are only taken on a seq's first allocation")
         bs = self.block_size
@@ -130,7 +130,7 @@ class KVCacheManager:
         cow: list[int] = []
         if num_new_tokens > 0:
             for i in range(num_computed_tokens // bs, min(end, len(table))):
-                if blocks[table[i]].ref_count > 99:
+                if blocks[table[i]].ref_count > 1:
                     cow.append(i)
         return table, num_new, cow, taken_free + num_new + len(cow)
 

@@ -238,6 +238,16 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     elif pattern is not None and not _is_str_list(pattern):
         raise AdapterError(f"{where}: layers_pattern must be a string or a list of strings")
 
+    regexes = [("rank_pattern", k) for k in rank_pattern] + [("alpha_pattern", k) for k in alpha_pattern]
+    regexes += [("layers_pattern", p) for p in pattern or []]
+    regexes += [(field, v) for field, v in (("target_modules", target_modules), ("exclude_modules", exclude))
+                if isinstance(v, str)]
+    for field, regex in regexes:
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise AdapterError(f"{where}: {field} pattern {regex!r} is not a valid regex: {exc}") from exc
+
     return _Settings(
         r=r,
         alpha=float(alpha),
@@ -268,11 +278,6 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str) -> set[tuple[in
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
                     f"are {', '.join(MODULES)}"
                 )
-    elif s.target_modules != "all-linear":
-        try:
-            re.compile(s.target_modules)
-        except re.error as exc:
-            raise AdapterError(f"{where}: target_modules regex {s.target_modules!r} is invalid: {exc}") from exc
     targeted = {pair for full, pair in names.items() if _is_targeted(s, full)}
     if not targeted:
         raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(MODULES)}")

@@ -72,6 +72,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.seqs[seq_id] = [list(prompt), covered, ns]
         self.history.append((list(prompt), ns))
         self._compute(seq_id, n)
+        # every full block just computed (or hit) is findable now, in this namespace only
+        done = prompt[: covered + n]
+        probe = self.kv.find_cached_prefix(done + [7], ns)
+        assert probe[1] == len(done) // BS * BS
+        for other in NAMESPACES:
+            if other != ns:
+                assert all(
+                    self.content[b][0][0] == other for b in self.kv.find_cached_prefix(done + [7], other)[0]
+                )
 
     # ------------------------------------------------------------------ rules
 

@@ -198,6 +198,11 @@ def test_mixed_and_regex_target_modules(make, hf_config):
     assert torch.equal(ad.weights[(1, "down_proj")][1], peft_module(pm, 1, "down_proj").lora_B["default"].weight.detach())
 
 
+def test_exclude_modules(make, hf_config):
+    folder, _ = make(seed=7, target_modules=["q_proj", "k_proj"], exclude_modules=["model.layers.0.self_attn.k_proj"])
+    assert set(load(folder, hf_config).weights) == {(0, "q_proj"), (1, "q_proj"), (1, "k_proj")}
+
+
 def test_dtype_conversion(good, hf_config):
     folder, pm = good
     ad = load(folder, hf_config, dtype=torch.float16)
@@ -277,6 +282,9 @@ def test_corrupt_safetensors(good, hf_config, tmp_path):
      "unknown target module 'lm_head'"),
     ({"target_modules": None}, "target_modules is not set"),
     ({"layers_to_transform": [0, 1, 5]}, "layers_to_transform lists layer 5"),
+    ({"rank_pattern": {"q_proj(": 2}}, "rank_pattern pattern 'q_proj(' is not a valid regex"),
+    ({"target_modules": "model.*[q_proj"}, "target_modules pattern"),
+    ({"target_modules": "lm_head"}, "targets none of the modules"),
 ])
 def test_config_errors(good, hf_config, tmp_path, changes, fragment):
     folder = copy_of(good, tmp_path)

@@ -1,0 +1,187 @@
+"""``loraplex-serve``: run Triton with the Loraplex model repository.
+
+Builds the offline demo model on first use (unless ``--model-dir`` is given), starts
+``tritonserver`` in its own process group, waits until it is ready, prints how to call
+it, streams its log, and stops it cleanly on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
+
+
+def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
+    """Copy each adapter folder of ``adapters_dir`` into ``store/<name>`` unless present."""
+    store.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for src in sorted(p for p in adapters_dir.iterdir() if p.is_dir()):
+        dst = store / src.name
+        if not dst.exists():
+            shutil.copytree(src, dst)
+            copied.append(src.name)
+    return copied
+
+
+def usage_text(server: TritonServer, lora_name: str | None = "demo-a") -> str:
+    """How to call the running server (gRPC with tritonclient, and curl)."""
+    http_port, grpc = server.http_port, server.grpc_url
+    lora = f', "lora_name": "{lora_name}"' if lora_name else ""
+    return f"""\
+Loraplex is serving model 'lora_llm':
+  HTTP     {server.http_url}
+  gRPC     {grpc}
+  metrics  {server.metrics_url}
+
+curl (one response):
+  curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": "Hello", "parameters": {{"max_tokens": 16{lora}}}}}'
+curl (server-sent events, one per chunk):
+  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "parameters": {{"stream": true, "max_tokens": 16{lora}}}}}'
+
+Python gRPC streaming (tritonclient):
+  import json, numpy as np, tritonclient.grpc as grpcclient
+  c = grpcclient.InferenceServerClient("{grpc}")
+  def inp(name, value, dtype):
+      t = grpcclient.InferInput(name, [1], dtype); t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool)); return t
+  c.start_stream(callback=lambda result, error: print(error or result.as_numpy("text_output")[0].decode(), end="", flush=True),
+                 headers={{"x-tenant-id": "acme"}})
+  c.async_stream_infer("lora_llm", [inp("text_input", "Hello", "BYTES"), inp("stream", True, "BOOL"),
+                       inp("sampling_parameters", json.dumps({{"max_tokens": 16{lora}}}), "BYTES")])
+  c.stop_stream()
+"""
+
+
+class _LogFollower:
+    """Prints what is appended to a file."""
+
+    def __init__(self, path: Path, out=sys.stdout, start_at_end: bool = False):
+        self.path, self.out = path, out
+        self.pos = path.stat().st_size if (start_at_end and path.exists()) else 0
+
+    def pump(self) -> None:
+        """Print whatever is new."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        if data:
+            self.pos += len(data)
+            self.out.write(data.decode("utf-8", errors="replace"))
+            self.out.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags of loraplex-serve."""
+    root = project_root()
+    ap = argparse.ArgumentParser(prog="loraplex-serve", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model-dir", default=None,
+                    help="HF checkpoint folder (safetensors) of the base model; default: the offline "
+                         "demo model in .cache/demo, built on first run, with its adapters demo-a/demo-b")
+    ap.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
+    ap.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
+    ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (Prometheus)")
+    ap.add_argument("--address", default="0.0.0.0", help="address the three endpoints bind to")
+    ap.add_argument("--adapter-store", default=str(cache_dir() / "adapters"),
+                    help="folder holding uploaded/known LoRA adapters (PEFT format)")
+    ap.add_argument("--model-repository", default=str(root / "model_repository"),
+                    help="Triton model repository")
+    ap.add_argument("--engine-config", default=None,
+                    help='engine settings as JSON, passed to the model (LORAPLEX_ENGINE_CONFIG), '
+                         'e.g. \'{"block_size": 16}\'')
+    ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    ap.add_argument("--ready-timeout", type=float, default=300.0,
+                    help="seconds to wait for the server to become ready")
+    ap.add_argument("--quiet", action="store_true", help="do not stream the server log")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of loraplex-serve."""
+    args = build_parser().parse_args(argv)
+    if args.engine_config is not None:
+        try:
+            json.loads(args.engine_config)
+        except ValueError as exc:
+            print(f"loraplex-serve: --engine-config is not valid JSON: {exc}", file=sys.stderr)
+            return 2
+    store = Path(args.adapter_store)
+    lora_name = None
+    if args.model_dir is None:
+        from loraplex.demo import build_demo
+
+        demo = build_demo()
+        model_dir = demo["model"]
+        copied = seed_adapter_store(store, demo["adapters"])
+        if copied:
+            print(f"loraplex-serve: added demo adapters {', '.join(copied)} to {store}", file=sys.stderr)
+        lora_name = "demo-a"
+    else:
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").is_file():
+            print(f"loraplex-serve: {model_dir} has no config.json", file=sys.stderr)
+            return 2
+        store.mkdir(parents=True, exist_ok=True)
+
+    server = TritonServer(
+        model_repository=args.model_repository,
+        env=engine_env(model_dir, store, args.engine_config),
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
+    )
+    # Ctrl-C and SIGTERM both end the loop below; the server is stopped in `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rc = 0
+    try:
+        server.start()
+        print(f"loraplex-serve: starting tritonserver (pid {server.pid}, log {server.log_path})",
+              file=sys.stderr)
+        follower = None if args.quiet else _LogFollower(server.log_path)
+        deadline = time.monotonic() + args.ready_timeout
+        while not server.is_ready():
+            if follower:
+                follower.pump()
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                if follower:
+                    follower.pump()
+                what = (f"exited with code {server.proc.returncode}" if server.proc.poll() is not None
+                        else f"was not ready after {args.ready_timeout:.0f}s")
+                print(f"\nloraplex-serve: tritonserver {what}; last log lines:\n{server.log_tail()}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        if follower:
+            follower.pump()
+        print("\n" + usage_text(server, lora_name), flush=True)
+        while server.proc.poll() is None:
+            if follower:
+                follower.pump()
+            time.sleep(0.25)
+        if follower:
+            follower.pump()
+        print(f"loraplex-serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
+        rc = 1
+    except KeyboardInterrupt:
+        print("\nloraplex-serve: stopping tritonserver ...", file=sys.stderr, flush=True)
+    except TritonServerError as exc:
+        print(f"loraplex-serve: {exc}", file=sys.stderr)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        server.stop(grace=10)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

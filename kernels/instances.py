@@ -1,0 +1,93 @@
+"""The template instantiations of every kernel family: the launchers pick from these lists."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+VEC_WIDTH = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # elements per 16-byte load
+HEAD_DIMS = (32, 64, 128, 256)
+QUERIES_PER_BLOCK = (1, 2, 4, 8)
+COPY_UNITS = {2: "unsigned short", 4: "unsigned int", 16: "lp_u128"}
+INDEX_TYPES = {torch.int32: "int", torch.int64: "long long"}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One .cu source and the name expressions instantiated from it."""
+
+    name: str
+    source: str
+    names: tuple[str, ...]
+
+
+def c_type(dtype: torch.dtype) -> str:
+    """C++ element type of a torch floating dtype."""
+    try:
+        return C_TYPES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported kernel dtype {dtype}") from None
+
+
+def lora_name(kernel: str, dtype: torch.dtype, vec: int) -> str:
+    """Name expression of a LoRA kernel (shrink_bgmv, shrink_sgmv, expand_bgmv, expand_sgmv)."""
+    return f"{kernel}<{c_type(dtype)}, {vec}>"
+
+
+def decode_name(dtype: torch.dtype, head_dim: int, queries_per_block: int) -> str:
+    """Name expression of the paged decode kernel."""
+    return f"paged_decode<{c_type(dtype)}, {head_dim}, {queries_per_block}>"
+
+
+def decode_reduce_name(dtype: torch.dtype, head_dim: int) -> str:
+    """Name expression of the split-merge kernel of paged decode."""
+    return f"paged_decode_reduce<{c_type(dtype)}, {head_dim}>"
+
+
+def prefill_name(dtype: torch.dtype, head_dim: int) -> str:
+    """Name expression of the tiled paged prefill kernel."""
+    return f"paged_prefill<{c_type(dtype)}, {head_dim}>"
+
+
+def cache_name(kernel: str, unit_bytes: int, index_dtype: torch.dtype) -> str:
+    """Name expression of write_kv / copy_blocks moving units of unit_bytes."""
+    return f"{kernel}<{COPY_UNITS[unit_bytes]}, {INDEX_TYPES[index_dtype]}>"
+
+
+def _lora() -> tuple[str, ...]:
+    kernels = ("shrink_bgmv", "shrink_sgmv", "expand_bgmv", "expand_sgmv")
+    return tuple(
+        lora_name(k, dt, vec)
+        for k, dt in itertools.product(kernels, C_TYPES)
+        for vec in (1, VEC_WIDTH[C_TYPES[dt]])
+    )
+
+
+def _decode() -> tuple[str, ...]:
+    main = [decode_name(dt, d, g) for dt, d, g in itertools.product(C_TYPES, HEAD_DIMS, QUERIES_PER_BLOCK)]
+    return tuple(main + [decode_reduce_name(dt, d) for dt, d in itertools.product(C_TYPES, HEAD_DIMS)])
+
+
+def _prefill() -> tuple[str, ...]:
+    return tuple(prefill_name(dt, d) for dt, d in itertools.product(C_TYPES, HEAD_DIMS))
+
+
+def _cache() -> tuple[str, ...]:
+    return tuple(
+        cache_name(k, u, ix)
+        for k, u, ix in itertools.product(("write_kv", "copy_blocks"), COPY_UNITS, INDEX_TYPES)
+    )
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("lora", "lora.cu", _lora()),
+        Family("decode", "paged_attention_decode.cu", _decode()),
+        Family("prefill", "paged_attention_prefill.cu", _prefill()),
+        Family("cache", "cache_ops.cu", _cache()),
+    )
+}

@@ -1,0 +1,41 @@
+"""Small helpers shared by the launchers: index tensors, vector widths, grid sizes."""
+
+from __future__ import annotations
+
+import torch
+
+from .instances import VEC_WIDTH, c_type
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Smallest integer >= a / b."""
+    return -(-a // b)
+
+
+def int32_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t as a contiguous int32 tensor on device (no copy when it already is one)."""
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def float32_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t as a contiguous float32 tensor on device (no copy when it already is one)."""
+    return t.to(device=device, dtype=torch.float32).contiguous()
+
+
+def aligned(*tensors: torch.Tensor, bytes_: int = 16) -> bool:
+    """True when every tensor's data pointer is a multiple of bytes_."""
+    return all(t.data_ptr() % bytes_ == 0 for t in tensors)
+
+
+def vector_width(dtype: torch.dtype, length: int, *tensors: torch.Tensor) -> int:
+    """16-byte vector width in elements if length and all pointers allow it, else 1."""
+    width = VEC_WIDTH[c_type(dtype)]
+    return width if length % width == 0 and aligned(*tensors) else 1
+
+
+def same_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The common dtype of tensors; TypeError if they differ."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise TypeError(f"kernel operands must share one dtype, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()

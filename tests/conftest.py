@@ -1,0 +1,25 @@
+"""Shared fixtures: the offline demo (built once per session) and the tritonserver helper.
+
+``tests/`` is put on ``sys.path`` so any test module, in any subfolder, can write
+``from tritonserver_fixture import make_triton_server_fixture`` (see that module).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+
+@pytest.fixture(scope="session")
+def demo() -> dict[str, Path]:
+    """Paths of the demo model, tokenizer and adapters (``.cache/demo``), built if missing."""
+    from loraplex.demo import build_demo, default_out_dir
+
+    return build_demo(Path(os.environ.get("LORAPLEX_DEMO_DIR", default_out_dir())))
