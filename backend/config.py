@@ -29,6 +29,7 @@ class EngineConfig:
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
+    adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,10 +57,12 @@ class EngineConfig:
         return cls(**values)
 
     def with_env_overrides(self) -> "EngineConfig":
-        """Apply LORAPLEX_MODEL_DIR and LORAPLEX_ENGINE_CONFIG (a JSON object) from the environment."""
+        """Apply LORAPLEX_ENGINE_CONFIG (a JSON object), LORAPLEX_MODEL_DIR and LORAPLEX_ADAPTER_STORE."""
         values = dataclasses.asdict(self)
         if os.environ.get("LORAPLEX_ENGINE_CONFIG"):
             values.update(json.loads(os.environ["LORAPLEX_ENGINE_CONFIG"]))
         if os.environ.get("LORAPLEX_MODEL_DIR"):
             values["model_dir"] = os.environ["LORAPLEX_MODEL_DIR"]
+        if os.environ.get("LORAPLEX_ADAPTER_STORE"):
+            values["adapter_store"] = os.environ["LORAPLEX_ADAPTER_STORE"]
         return EngineConfig.from_dict(values)

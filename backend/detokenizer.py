@@ -13,7 +13,7 @@ class IncrementalDetokenizer:
     U+FFFD) until the next token completes it, as vLLM does.
     """
 
-    __slots__ = ("tokenizer", "skip_special", "prefix_offset", "read_offset", "text", "stops", "hold")
+    __slots__ = ("tokenizer", "skip_special", "prefix_offset", "read_offset", "text", "stops", "hold", "stopped")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], skip_special: bool = True):
         self.tokenizer = tokenizer
@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far (stop string excluded once matched)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop
+        self.stopped = False  # a stop string matched: the text ends before it
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -44,12 +45,13 @@ class IncrementalDetokenizer:
             at = self.text.find(stop, max(0, start - len(stop) + 1))
             if at != -1:
                 self.text = self.text[:at]
+                self.stopped = True
                 return stop
         return None
 
     def flush(self, token_ids: list[int]) -> None:
         """At the end: emit whatever is held back, even an incomplete character."""
-        if self.read_offset < len(token_ids):
+        if self.read_offset < len(token_ids) and not self.stopped:
             self.update(token_ids, final=True)
 
     def stable_length(self, finished: bool) -> int:

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,6 +28,14 @@ from .scheduler import Scheduler
 log = logging.getLogger("loraplex.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def store_adapters(store: str) -> dict[str, str]:
+    """PEFT folders directly under the adapter store: name -> path."""
+    root = Path(store) if store else None
+    if root is None or not root.is_dir():
+        return {}
+    return {p.name: str(p) for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}
 
 
 class RequestCancelled(Exception):
@@ -69,11 +78,12 @@ class LLMEngine:
         self.adapters = AdapterManager(
             self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, self.dtype
         )
-        for name, path in config.multi_lora.items():
+        for name, path in {**store_adapters(config.adapter_store), **config.multi_lora}.items():
             self.adapters.register(name, path)
         self.scheduler = Scheduler(config, self.kv_manager, self.adapters, self._eos_ids(hf_config), max_len)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots)
         self.on_outputs = on_outputs
+        self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._seq_ids = itertools.count()
@@ -189,7 +199,7 @@ class LLMEngine:
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SeqStatus.FINISHED
-        if finished and seq.finish_reason is not FinishReason.STOP:
+        if finished:
             seq.detok.flush(seq.token_ids)
         end = seq.detok.stable_length(finished)
         text = seq.detok.text[seq.num_sent_chars : end]
@@ -228,6 +238,8 @@ class LLMEngine:
                 outputs = self._fail_all(exc)
             if outputs and self.on_outputs is not None:
                 self.on_outputs(outputs)
+            if self.on_step is not None:
+                self.on_step(self)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         outputs = []

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C and SIGTERM both end the loop below; the server is stopped in `finally`.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rc = 0
+    follower = None
     try:
         server.start()
         print(f"loraplex-serve: starting tritonserver (pid {server.pid}, log {server.log_path})",
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
         server.stop(grace=10)
+        if follower:
+            follower.pump()
         signal.signal(signal.SIGINT, signal.default_int_handler)
     return rc
 

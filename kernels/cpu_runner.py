@@ -1,4 +1,4 @@
-"""Run a kernel family's own .cu source on the CPU: g++ with the CUDA shim, cached, ctypes."""
+"""Run a kernel source on the CPU: g++ with the CUDA shim, cached by content, launched via ctypes."""
 
 from __future__ import annotations
 
@@ -14,60 +14,96 @@ import numpy as np
 import torch
 
 from .instances import FAMILIES
-from .sources import KERNEL_DIR, SHIM_HEADER, expanded_source
+from .sources import KERNEL_DIR, SHIM_HEADER
 
 CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 _ERR_BYTES = 512
 
 
 def cache_dir() -> Path:
-    """Folder for built CPU kernel libraries ($LORAPLEX_KERNEL_CACHE or .cache/kernels_cpu)."""
+    """Folder for built CPU kernel libraries ($LORAPLEX_KERNEL_CACHE or <repo>/.cache/kernels_cpu)."""
     env = os.environ.get("LORAPLEX_KERNEL_CACHE")
     return Path(env) if env else KERNEL_DIR.parent / ".cache" / "kernels_cpu"
 
 
-def glue_source(family: str) -> str:
-    """C++ that includes the family's .cu and exports one C entry point per instantiation."""
-    fam = FAMILIES[family]
-    lines = [f'#include "{fam.source}"']
-    lines += [f"LP_CPU_ENTRY(lp_entry_{i}, {name})" for i, name in enumerate(fam.names)]
+def glue_source(source: Path, names: tuple[str, ...]) -> str:
+    """C++ that includes a .cu source and exports one C entry point per name expression."""
+    lines = [f'#include "{source.name}"']
+    lines += [f"LP_CPU_ENTRY(lp_entry_{i}, {name})" for i, name in enumerate(names)]
     return "\n".join(lines) + "\n"
 
 
-def build(family: str) -> Path:
-    """Build (or reuse) the shared library of a family; keyed by a hash of all its inputs."""
-    fam = FAMILIES[family]
+def build_source(source: Path, names: tuple[str, ...], tag: str | None = None) -> Path:
+    """Build (or reuse) the shared library of source with names; keyed by a hash of all inputs."""
+    source = Path(source).resolve()
     cxx = os.environ.get("CXX", "g++")
-    glue = glue_source(family)
-    key = hashlib.sha256(
-        "\0".join([cxx, *CXX_FLAGS, SHIM_HEADER.read_text(), expanded_source(fam.source), glue]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{family}-{key}.so"
+    glue = glue_source(source, names)
+    include_dirs = (str(source.parent), str(KERNEL_DIR))
+    texts = [SHIM_HEADER.read_text(), *(p.read_text() for p in _local_files(source)), glue]
+    key = hashlib.sha256("\0".join([cxx, *CXX_FLAGS, *include_dirs, *texts]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{tag or source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        glue_path = Path(tmp) / f"{family}_glue.cpp"
+        glue_path = Path(tmp) / f"{source.stem}_glue.cpp"
         glue_path.write_text(glue)
         out = Path(tmp) / target.name
-        cmd = [cxx, *CXX_FLAGS, "-include", str(SHIM_HEADER), f"-I{KERNEL_DIR}", str(glue_path), "-o", str(out)]
+        cmd = [cxx, *CXX_FLAGS, "-include", str(SHIM_HEADER), *(f"-I{d}" for d in include_dirs)]
+        cmd += [str(glue_path), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"g++ failed for kernel family {family}:\n{proc.stderr}")
+            raise RuntimeError(f"g++ failed for {source.name}:\n{proc.stderr}")
         os.replace(out, target)
     return target
 
 
+def _local_files(source: Path) -> list[Path]:
+    """source and the local headers beside it or in the kernel folder (conservative cache key)."""
+    headers = sorted(set(source.parent.glob("*.h")) | set(KERNEL_DIR.glob("*.h")))
+    return [source, *headers]
+
+
+class CpuLibrary:
+    """A built kernel library: launch an instantiation by its name expression."""
+
+    def __init__(self, path: Path, names: tuple[str, ...]):
+        self._lib = ctypes.CDLL(str(path))
+        self._entries = {}
+        for i, name in enumerate(names):
+            fn = getattr(self._lib, f"lp_entry_{i}")
+            fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            self._entries[name] = fn
+
+    def launch(self, name: str, grid, block, args) -> None:
+        """Run name over grid x block with args (tensors, np.int32/int64/float32); raise on error."""
+        fn = self._entries[name]
+        dims = (ctypes.c_uint * 6)(*_dim3(grid), *_dim3(block))
+        values = [_c_value(a) for a in args]
+        params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        err = ctypes.create_string_buffer(_ERR_BYTES)
+        if fn(dims, params, err, _ERR_BYTES) != 0:
+            raise RuntimeError(f"{name}: {err.value.decode(errors='replace')}")
+
+
 @functools.lru_cache(maxsize=None)
-def _library(family: str) -> tuple[ctypes.CDLL, dict[str, object]]:
-    lib = ctypes.CDLL(str(build(family)))
-    entries = {}
-    for i, name in enumerate(FAMILIES[family].names):
-        fn = getattr(lib, f"lp_entry_{i}")
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        entries[name] = fn
-    return lib, entries
+def family_library(family: str) -> CpuLibrary:
+    """The CPU library of one kernel family (built on first use)."""
+    fam = FAMILIES[family]
+    return CpuLibrary(build_source(KERNEL_DIR / fam.source, fam.names, tag=family), fam.names)
+
+
+class CpuRunner:
+    """Launches kernel families on the CPU through the shim (tests, debugging)."""
+
+    def sm_count(self, device: torch.device) -> int:
+        """Parallel units, for launch heuristics."""
+        return os.cpu_count() or 1
+
+    def launch(self, family: str, name: str, grid, block, args) -> None:
+        """Run name from family over grid x block with args."""
+        family_library(family).launch(name, grid, block, args)
 
 
 def _c_value(arg):
@@ -84,24 +120,5 @@ def _c_value(arg):
     raise TypeError(f"unsupported kernel argument {type(arg).__name__}")
 
 
-class CpuRunner:
-    """Launches kernels on the CPU through the shim (tests, debugging)."""
-
-    def sm_count(self, device: torch.device) -> int:
-        """Parallel units, for launch heuristics."""
-        return os.cpu_count() or 1
-
-    def launch(self, family: str, name: str, grid, block, args) -> None:
-        """Run name from family over grid x block with args (tensors, np.int32/int64/float32)."""
-        fn = _library(family)[1][name]
-        dims = (ctypes.c_uint * 6)(*_dim3(grid), *_dim3(block))
-        values = [_c_value(a) for a in args]
-        params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-        err = ctypes.create_string_buffer(_ERR_BYTES)
-        if fn(dims, params, err, _ERR_BYTES) != 0:
-            raise RuntimeError(f"{name}: {err.value.decode(errors='replace')}")
-
-
 def _dim3(d) -> tuple[int, int, int]:
-    d = tuple(d)
-    return (d + (1, 1, 1))[:3]
+    return (tuple(d) + (1, 1, 1))[:3]

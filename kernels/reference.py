@@ -66,12 +66,14 @@ def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset)."""
+    """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset); slot < 0 skips."""
     block_size = k_cache.shape[1]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
 def copy_blocks(kv_cache, src, dst):

@@ -77,6 +77,18 @@ class FreeBlockQueue:
         block.prev = block.next = None
         self._len -= 1
 
+    def check(self) -> list[int]:
+        """Assert the links are consistent both ways; return the queued ids, head first."""
+        ids = []
+        prev = self._head
+        for block in self:
+            assert block.prev is prev, f"free queue link broken at block {block.block_id}"
+            ids.append(block.block_id)
+            prev = block
+        assert self._tail.prev is prev, "free queue tail link broken"
+        assert len(ids) == self._len == len(set(ids)), "free queue length wrong or a block queued twice"
+        return ids
+
     def ids(self) -> list[int]:
         """Block ids from head (next evicted) to tail."""
         return [b.block_id for b in self]

@@ -121,7 +121,7 @@ class KVCacheManager:
                 if block.block_hash is None:
                     raise ValueError(f"block {bid} is no longer cached (allocate right after find_cached_prefix)")
                 if block.ref_count == 0:
-                    pass
+                    taken_free += 1
         elif cached_blocks:
             raise ValueError("cached_blocks are only taken on a seq's first allocation")
         bs = self.block_size
@@ -195,15 +195,7 @@ class KVCacheManager:
             for bid in table:
                 refs[bid] += 1
         assert self._tables.keys() == self._hashes.keys()
-        queued: set[int] = set()
-        prev = pool.free_queue._head
-        for block in pool.free_queue:
-            assert block.prev is prev, "free queue links broken"
-            assert block.block_id not in queued, f"block {block.block_id} queued twice"
-            queued.add(block.block_id)
-            prev = block
-        assert pool.free_queue._tail.prev is prev, "free queue tail broken"
-        assert len(queued) == len(pool.free_queue), "free queue length wrong"
+        queued = set(pool.free_queue.check())
         cached_free = 0
         for block in pool.blocks:
             bid = block.block_id

@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..lora.manager import AdapterNotFound
+from ..metrics import TritonMetrics
 from ..request import InvalidRequest
 from .parsing import parse_generate_input
 from .responder import Responder
@@ -58,6 +59,9 @@ class TritonPythonModel:
         self.engine = LLMEngine(config)
         self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
         self.engine.on_outputs = self.responder.push
+        self.metrics = TritonMetrics(pb_utils)
+        self.engine.on_step = self.metrics.update
+        self.metrics.update(self.engine)
         self.responder.start()
         self.engine.start()
 

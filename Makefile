@@ -1,0 +1,60 @@
+# Loraplex developer entry points. Everything runs inside $(VENV), created on demand.
+#   make setup    create .venv and install the pinned dependencies (idempotent)
+#   make serve    start tritonserver with model_repository/ (demo model unless MODEL_DIR=...)
+#   make test     build the demo, then run the whole test suite
+#   make demo     build the offline demo model + adapters in .cache/demo
+#   make clean    remove caches and build outputs (make distclean also removes .venv)
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip --disable-pip-version-check
+
+MODEL_DIR ?=
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+ADAPTER_STORE ?= .cache/adapters
+ENGINE_CONFIG ?=
+PYTEST_ARGS ?=
+
+# The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
+# re-runs the install; otherwise `make setup` is a no-op.
+DEPS_KEY := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
+
+.PHONY: setup serve test demo clean distclean
+
+setup: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned, so nothing later pulls a CUDA build of it; nvidia-pytriton only for
+# its bundled tritonserver + Python backend (--no-deps: its own deps are not needed).
+$(STAMP): | $(VPY)
+	rm -f $(VENV)/.loraplex-deps-*
+	$(PIP) install 'torch==2.13.0'
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps 'nvidia-pytriton==0.7.0'
+	$(PIP) install 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
+	$(VPY) -c "import torch, numpy, loraplex; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert numpy.__version__ < '2', numpy.__version__"
+	touch $@
+
+demo: setup
+	$(VPY) -m loraplex.demo
+
+serve: setup
+	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)') \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--adapter-store '$(ADAPTER_STORE)' $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)')
+
+test: setup demo
+	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf .cache .pytest_cache .hypothesis build *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,58 @@
+"""Launchers of prefill attention over paged KV: the tiled kernel and the gather+SDPA path."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .instances import HEAD_DIMS, prefill_name
+from .launch_args import ceil_div, int32_on, same_dtype
+from .prefill_sdpa import paged_attention_prefill_sdpa
+from .runners import runner_for
+
+THREADS = 128  # 32 * PrefillTile::WARPS in the .cu
+IMPLS = ("sdpa", "kernel")
+# Default path on CUDA; "sdpa" until benchmarks/gpu_kernels.py measures otherwise.
+DEFAULT_IMPL = os.environ.get("LORAPLEX_PREFILL_ATTENTION", "sdpa")
+
+
+def queries_per_block(head_dim: int) -> int:
+    """New tokens per block of the tiled kernel (PrefillTile::BQ)."""
+    return 16 if head_dim <= 128 else 8
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, impl=None, runner=None):
+    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix."""
+    impl = impl or DEFAULT_IMPL
+    if impl == "sdpa":
+        return paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+    if impl != "kernel":
+        raise ValueError(f"unknown prefill attention impl {impl!r} (one of {IMPLS})")
+    return paged_attention_prefill_kernel(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, runner=runner)
+
+
+def paged_attention_prefill_kernel(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, runner=None):
+    """The tiled CUDA kernel path of paged_attention_prefill."""
+    dtype = same_dtype(q, k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = cu_query_lens.numel() - 1
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported by the prefill kernel (supported: {HEAD_DIMS})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    q = q.contiguous()
+    bq = queries_per_block(head_dim)
+    tiles = ceil_div(num_tokens + num_seqs * (bq - 1), bq)  # >= sum over sequences of their tiles
+    args = [out, q, k_cache, v_cache, int32_on(block_tables, q.device), int32_on(cu_query_lens, q.device)]
+    args += [int32_on(context_lens, q.device), np.int32(num_seqs), np.int32(num_q_heads), np.int32(num_kv_heads)]
+    args += [np.int32(block_size), np.int32(max(block_tables.shape[1], 1)), np.float32(scale)]
+    (runner or runner_for(q)).launch("prefill", prefill_name(dtype, head_dim), (tiles, num_q_heads, 1), (THREADS, 1, 1), args)
+    return out

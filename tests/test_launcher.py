@@ -1,0 +1,323 @@
+"""The tritonserver launcher against a real server, and the offline demo builder."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from loraplex.tritonserver import TritonServer, TritonServerError, free_ports, project_root
+from tritonserver_fixture import make_triton_server_fixture
+
+ECHO_CONFIG = """\
+name: "echo"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# Streams back: the input, the request parameters (JSON; forwarded headers land there),
+# and facts about the stub's interpreter; then an empty response carrying the FINAL flag.
+ECHO_MODEL = '''\
+import json
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import loraplex
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.facts = json.dumps({
+            "loraplex": loraplex.__file__,
+            "prefix": sys.prefix,
+            "version": list(sys.version_info[:3]),
+            "numpy": np.__version__,
+            "engine_config": __import__("os").environ.get("LORAPLEX_ENGINE_CONFIG"),
+        })
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            params = json.loads(request.parameters() or "{}")
+            for chunk in (text, json.dumps(params, sort_keys=True), self.facts):
+                out = pb_utils.Tensor("text_output", np.array([chunk.encode("utf-8")], dtype=np.object_))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def make_echo_repository(dst: Path, model_py: str = ECHO_MODEL) -> Path:
+    """A model repository holding only the decoupled ``echo`` model."""
+    (dst / "echo" / "1").mkdir(parents=True)
+    (dst / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (dst / "echo" / "1" / "model.py").write_text(model_py)
+    return dst
+
+
+triton_server = make_triton_server_fixture(
+    model_repository=make_echo_repository,
+    engine_config={"probe": 1},
+    adapter_store=lambda tmp, demo: tmp,
+    ready_timeout=60,
+)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _grpc_stream(server, text: str, headers=None) -> list:
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+        inp = grpcclient.InferInput("text_input", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([text.encode("utf-8")], dtype=np.object_))
+        client.async_stream_infer("echo", [inp], request_id="r1", enable_empty_final_response=True)
+        got = []
+        while True:
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            out = result.as_numpy("text_output")
+            got.append((None if out is None else out[0].decode("utf-8"), final))
+            if final:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_grpc_stream_string_tensors_and_tenant_header(triton_server):
+    got = _grpc_stream(triton_server, "héllo 世界 😀", headers={"x-tenant-id": "acme"})
+    assert [final for _, final in got] == [False, False, False, True]
+    assert got[0][0] == "héllo 世界 😀"
+    assert json.loads(got[1][0]) == {"x-tenant-id": "acme"}  # header -> request parameter
+    assert got[3][0] is None  # the FINAL flag travels on an empty response
+    facts = json.loads(got[2][0])
+    # The stub imported our package from this checkout, inside this virtualenv's interpreter.
+    assert facts["loraplex"] == str(project_root() / "backend" / "__init__.py")
+    assert facts["prefix"] == sys.prefix
+    assert facts["version"] == list(sys.version_info[:3])
+    assert facts["numpy"] == np.__version__ and facts["numpy"].startswith("1.")
+    assert json.loads(facts["engine_config"]) == {"probe": 1}
+
+
+def test_grpc_without_tenant_header(triton_server):
+    got = _grpc_stream(triton_server, "x", headers={"x-other": "1", "x-tenantid": "2"})
+    assert [text for text, _ in got[:2]] == ["x", "{}"]  # only headers matching x-tenant-.* travel
+
+
+def test_http_generate_stream_sse(triton_server):
+    r = requests.post(
+        f"{triton_server.http_url}/v2/models/echo/generate_stream",
+        json={"text_input": "over http", "parameters": {"max_tokens": 4, "lora_name": "demo-a"}},
+        headers={"x-tenant-id": "globex"}, stream=True, timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert all("error" not in e for e in events), events
+    texts = [e["text_output"] for e in events]
+    assert len(texts) == 3  # the empty FINAL response makes no event
+    assert texts[0] == "over http"
+    # The body's "parameters" arrive as request parameters. The x-tenant-id header does
+    # NOT: Triton's HandleGenerate never forwards headers (triton-inference-server/server
+    # issue #8790, fix proposed in PR #8916); only /infer does, and /infer rejects
+    # decoupled models over HTTP. If this starts failing, Triton fixed it.
+    assert json.loads(texts[1]) == {"lora_name": "demo-a", "max_tokens": 4}
+
+
+def test_http_generate_needs_exactly_one_response(triton_server):
+    r = requests.post(f"{triton_server.http_url}/v2/models/echo/generate",
+                      json={"text_input": "x"}, timeout=30)
+    assert "exactly 1 response" in r.json()["error"]
+
+
+def test_ready_and_metrics_endpoints(triton_server):
+    assert triton_server.is_ready()
+    assert requests.get(f"{triton_server.http_url}/v2/models/echo/ready", timeout=5).status_code == 200
+    metrics = requests.get(triton_server.metrics_url, timeout=5).text
+    assert 'nv_inference_request_success{model="echo"' in metrics
+
+
+def test_stop_tears_down_the_process_group(tmp_path, demo):
+    repo = make_echo_repository(tmp_path / "repo")
+    server = TritonServer(repo, log_path=tmp_path / "log.txt", ready_timeout=60)
+    server.start_and_wait()
+    pgid = server.pid
+    assert os.getpgid(pgid) == pgid  # its own process group ...
+    assert os.getsid(pgid) == pgid  # ... and session
+    members = _group_members(pgid)
+    assert len(members) >= 2, members  # tritonserver + the Python stub
+    t0 = time.monotonic()
+    server.stop(grace=10)
+    assert time.monotonic() - t0 < 10
+    assert server.proc.returncode is not None
+    assert _group_members(pgid) == []
+    assert "successfully unloaded" in server.log_path.read_text()
+
+
+def test_stop_kills_a_server_that_ignores_sigint(tmp_path):
+    """A server stuck past its grace (e.g. waiting on a crashed stub) is killed with its group."""
+    hang = ECHO_MODEL.replace(
+        "    def execute(self, requests):",
+        "    def finalize(self):\n        import time\n        time.sleep(60)\n\n    def execute(self, requests):",
+    )
+    repo = make_echo_repository(tmp_path / "repo", hang)
+    server = TritonServer(repo, log_path=tmp_path / "log.txt", ready_timeout=60, exit_timeout_secs=30)
+    server.start_and_wait()
+    pgid = server.pid
+    t0 = time.monotonic()
+    server.stop(grace=2)
+    elapsed = time.monotonic() - t0
+    assert 2 <= elapsed < 8, elapsed
+    assert _group_members(pgid) == []
+
+
+def test_early_exit_is_reported_with_the_log_tail(tmp_path):
+    broken = "raise ImportError('model is broken on purpose')\n"
+    repo = make_echo_repository(tmp_path / "repo", broken)
+    server = TritonServer(repo, log_path=tmp_path / "log.txt", ready_timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(TritonServerError, match="broken on purpose"):
+        server.start_and_wait()
+    assert time.monotonic() - t0 < 30
+    assert server.proc.returncode not in (None, 0)
+    assert _group_members(server.pid) == []
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket
+
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+# ---------------------------------------------------------------- demo builder
+
+def test_demo_tokenizer_round_trips_bytes(demo):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo["tokenizer"])
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert len(tok) == 259
+    for text in ["Hello, world!", "日本語のテキスト 中文", "emoji 😀👍🏽 and \n\ttabs  ", " a , b . ", "", "\x00\x7f"]:
+        ids = tok(text).input_ids
+        assert ids == [1] + [3 + b for b in text.encode("utf-8")]  # bos prepended, no eos
+        assert tok(text, add_special_tokens=False).input_ids == ids[1:]
+        assert tok.decode(ids, skip_special_tokens=True) == text
+        assert tok.decode(ids) == "<s>" + text
+
+
+def test_demo_model_config_and_files(demo):
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(demo["model"])
+    assert cfg.model_type == "llama"
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (264, 128, 344)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 4, 2)
+    assert cfg.max_position_embeddings == 1024 and cfg.tie_word_embeddings is False
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 0)
+    assert GenerationConfig.from_pretrained(demo["model"]).eos_token_id == 2
+    assert (Path(demo["model"]) / "model.safetensors").is_file()
+    assert not list(Path(demo["root"]).rglob("*.bin"))
+    info = json.loads(Path(demo["info"]).read_text())
+    assert info["check"]["median_margin"] > 0.1
+    assert all(a["differs"] > a["prompts"] // 2 for a in info["check"]["adapters"].values())
+
+
+def test_demo_adapters_load_with_peft(demo):
+    import torch
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    expect = {"demo-a": (8, 16, False, {"q_proj", "v_proj"}),
+              "demo-b": (16, 16, True, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})}
+    base = AutoModelForCausalLM.from_pretrained(demo["model"]).eval()
+    ids = torch.tensor([[1] + [3 + b for b in b"The quick brown fox"]])
+    with torch.no_grad():
+        base_logits = base(ids).logits[0, -1]
+    for name, (r, alpha, rslora, targets) in expect.items():
+        path = Path(demo[name])
+        assert {p.name for p in path.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+        cfg = PeftConfig.from_pretrained(path)
+        assert (cfg.r, cfg.lora_alpha, cfg.use_rslora, set(cfg.target_modules)) == (r, alpha, rslora, targets)
+        model = PeftModel.from_pretrained(base, str(path)).eval()
+        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        assert lora_b and all(p.abs().sum() > 0 for p in lora_b)
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1]
+        assert (logits - base_logits).abs().max() > 0.1
+        base = model.unload()
+
+
+def test_demo_is_idempotent(demo):
+    from loraplex.demo import build_demo
+
+    st = (Path(demo["model"]) / "model.safetensors").stat()
+    t0 = time.monotonic()
+    again = build_demo(demo["root"])
+    assert time.monotonic() - t0 < 2
+    assert again == demo
+    assert (Path(demo["model"]) / "model.safetensors").stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_builders_make_variants(tmp_path):
+    from peft import PeftConfig
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from loraplex.demo import build_peft_adapter, build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "qwen", model_type="qwen2", num_key_value_heads=1,
+                                 num_hidden_layers=2)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    assert (cfg.model_type, cfg.num_key_value_heads, cfg.num_hidden_layers) == ("qwen2", 1, 2)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.bias" in keys
+    assert "model.layers.0.self_attn.o_proj.bias" not in keys
+    out = build_peft_adapter(model_dir, tmp_path / "ad", r=4, alpha=8, target_modules=["k_proj", "down_proj"], seed=3)
+    pc = PeftConfig.from_pretrained(out)
+    assert (pc.r, pc.lora_alpha, set(pc.target_modules)) == (4, 8, {"k_proj", "down_proj"})
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] == (4, 128)
+    assert shapes["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"] == (32, 4)
+    assert shapes["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] == (4, 344)
