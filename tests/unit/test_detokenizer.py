@@ -6,10 +6,10 @@ from loraplex.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(demo_paths):
+def tokenizer(demo):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(demo_paths["model"])
+    return AutoTokenizer.from_pretrained(demo["model"])
 
 
 @pytest.mark.parametrize("text", ["héllo wörld", "emoji 🎉🚀 and 日本語", "plain ascii"])
