@@ -22,7 +22,18 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_waiting_requests: int = 4096
+    max_waiting_requests: int = 4096  # requests accepted but not yet started; beyond it: UNAVAILABLE at once
+    batching: str = "continuous"  # continuous | static (admit only into an empty batch; for benchmarks)
+    admission_policy: str = "fcfs"  # fcfs | priority (lower `priority` first) | sjf (fewest max_tokens first, aged)
+    sjf_aging_rate: float = 32.0  # sjf: max_tokens credited per second a request waits (0 = pure SJF)
+    default_timeout: float = 0.0  # seconds from arrival when a request has no `timeout`; 0 = none
+    preemption_mode: str = "recompute"  # recompute (drop KV, re-prefill) | swap (KV to host memory)
+    victim_policy: str = "most_preempted_last"  # longest_first | most_preempted_last | lowest_priority
+    swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV (swap mode only); full -> recompute
+    preemption_window_steps: int = 32  # steps over which preemptions are counted for the admission cap
+    preemption_threshold: int = 8  # more preemptions than this within the window halves the admission cap
+    kv_watermark: float = 0.01  # fraction of KV blocks (at least 1) kept free at admission for running seqs
+    max_adapter_wait_steps: int = 32  # a request skipped this many steps for want of an adapter slot blocks later ones
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # tenant | global
     max_loras: int = 8
@@ -42,6 +53,21 @@ class EngineConfig:
             (self.prefix_cache_scope in ("tenant", "global"), "prefix_cache_scope must be tenant or global"),
             (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (self.batching in ("continuous", "static"), "batching must be continuous or static"),
+            (self.admission_policy in ("fcfs", "priority", "sjf"), "admission_policy must be fcfs, priority or sjf"),
+            (self.sjf_aging_rate >= 0, "sjf_aging_rate must be >= 0"),
+            (self.default_timeout >= 0, "default_timeout must be >= 0 (0 = none)"),
+            (self.preemption_mode in ("recompute", "swap"), "preemption_mode must be recompute or swap"),
+            (
+                self.victim_policy in ("longest_first", "most_preempted_last", "lowest_priority"),
+                "victim_policy must be longest_first, most_preempted_last or lowest_priority",
+            ),
+            (self.swap_space_bytes >= 0, "swap_space_bytes must be >= 0"),
+            (self.preemption_window_steps >= 1, "preemption_window_steps must be >= 1"),
+            (self.preemption_threshold >= 0, "preemption_threshold must be >= 0"),
+            (0 <= self.kv_watermark < 1, "kv_watermark must be in [0, 1)"),
+            (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -21,7 +21,9 @@ from .lora.shapes import module_shapes
 from .lora.slots import LoraSlots
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel
-from .request import FinishReason, InvalidRequest, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
+from .request import (
+    EngineOverloaded, FinishReason, InvalidRequest, Request, RequestOutput, SamplingParams, Sequence, SeqStatus,
+)
 from .sampler import make_generator
 from .scheduler import Scheduler
 
@@ -80,8 +82,10 @@ class LLMEngine:
         )
         for name, path in {**store_adapters(config.adapter_store), **config.multi_lora}.items():
             self.adapters.register(name, path)
-        self.scheduler = Scheduler(config, self.kv_manager, self.adapters, self._eos_ids(hf_config), max_len)
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots)
+        self.num_host_blocks = self._num_host_blocks()
+        self.scheduler = Scheduler(config, self.kv_manager, self.adapters, self._eos_ids(hf_config), max_len,
+                                   num_host_blocks=self.num_host_blocks)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
         self.on_outputs = on_outputs
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
         self._inbox: deque = deque()
@@ -90,9 +94,13 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._accept_lock = threading.Lock()
+        self._num_accepted = 0  # requests add_request accepted (any thread, under the lock)
+        self._num_drained = 0  # of those, taken from the inbox by the loop thread
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-                 config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len)
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
+                 config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
+                 self.num_host_blocks)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks > 0:
@@ -106,6 +114,11 @@ class LLMEngine:
         if blocks < 2:
             raise ValueError(f"KV cache budget {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
         return int(blocks)
+
+    def _num_host_blocks(self) -> int:
+        if self.config.preemption_mode != "swap":
+            return 0
+        return self.config.swap_space_bytes // self.model.kv_bytes_per_block(self.config.block_size)
 
     def _eos_ids(self, hf_config) -> set[int]:
         ids = {self.tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)}
@@ -127,14 +140,35 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
                 f"{len(ids) + params.max_tokens} exceeds the model's max length {self.max_model_len}"
             )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(f"n is {params.n} but max_num_seqs is {self.config.max_num_seqs}")
+        bs, usable = self.config.block_size, self.kv_manager.num_blocks - self.scheduler.watermark_blocks
+        need = -(-(len(ids) + params.max_tokens) // bs)
+        if need > usable:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: a sequence may need {need} KV "
+                f"blocks of {bs} tokens, but the KV cache has {usable} for sequences"
+            )
         if params.lora_name and params.lora_name not in self.adapters.names():
             raise AdapterNotFound(f"LoRA adapter '{params.lora_name}' not found; available: {sorted(self.adapters.names())}")
         return Request(request_id, prompt, ids, params, tenant)
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request; the loop admits it at the next step."""
-        self._inbox.append(("add", request))
+        """Queue a validated request; raises EngineOverloaded when max_waiting_requests are already waiting."""
+        with self._accept_lock:
+            waiting = self.num_waiting_requests()
+            if waiting >= self.config.max_waiting_requests:
+                raise EngineOverloaded(
+                    f"server overloaded: {waiting} requests are waiting "
+                    f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
+                )
+            self._num_accepted += 1
+            self._inbox.append(("add", request))
         self._wake.set()
+
+    def num_waiting_requests(self) -> int:
+        """Requests accepted but not started yet (in the inbox or never scheduled)."""
+        return self._num_accepted - self._num_drained + self.scheduler.num_new_waiting
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it ends with a CANCELLED final output and frees its blocks next step."""
@@ -146,6 +180,8 @@ class LLMEngine:
         """Admit and abort, run one iteration of the batch, return the outputs it produced."""
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        if batch.finished:
+            outputs += [self._make_output(seq) for seq in batch.finished]
         if batch.empty:
             return outputs
         result = self.runner.execute(batch)
@@ -164,6 +200,7 @@ class LLMEngine:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 outputs += self._admit_request(item)
+                self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
             else:
                 outputs += self._abort_request(item)
         return outputs
@@ -183,8 +220,9 @@ class LLMEngine:
             seq.namespace = namespace
             seq.generator = make_generator(params, index, self.device)
             seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
-            self.scheduler.add(seq)
             seqs.append(seq)
+        seqs[0].forks = seqs[1:]  # n > 1: forked from sample 0 after its prefill (copy-on-write)
+        self.scheduler.add(seqs[0])
         self._requests[request.request_id] = seqs
         return []
 

@@ -29,9 +29,15 @@ class TritonMetrics:
         self._preemptions = family(
             name="loraplex_preemptions_total", description="Sequences preempted", kind=family.COUNTER
         )
+        self._cap = family(
+            name="loraplex_admission_cap",
+            description="Running sequences the scheduler admits up to (lowered under sustained preemption)",
+            kind=family.GAUGE,
+        )
         self._block_gauges = {s: self._blocks.Metric(labels={"state": s}) for s in ("used", "cached", "free")}
-        self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
+        self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting", "swapped")}
         self._preempt_counter = self._preemptions.Metric(labels={})
+        self._cap_gauge = self._cap.Metric(labels={})
         self._counters: dict[tuple[str, str], object] = {}
         self._reported: dict[object, float] = {}
 
@@ -42,6 +48,8 @@ class TritonMetrics:
         sched = engine.scheduler
         self._set(self._seq_gauges["running"], len(sched.running))
         self._set(self._seq_gauges["waiting"], len(sched.waiting))
+        self._set(self._seq_gauges["swapped"], len(sched.swapped))
+        self._set(self._cap_gauge, min(sched.cap.value, engine.config.max_num_seqs))
         self._grow(self._preempt_counter, sched.num_preemptions)
         for family, key, totals in (
             (self._queries, "query", sched.prefix_query_tokens),

@@ -13,7 +13,7 @@ from .sampler import sample, token_logprobs
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Per scheduled sequence: the sampled token (None mid-prefill), its logprob and top candidates."""
+    """Per scheduled sequence, then per fork child: the sampled token (None mid-prefill), its logprob and top candidates."""
 
     token_ids: list[int | None]
     logprobs: list[float | None]
@@ -21,17 +21,25 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Owns the model, the KV tensor and the LoRA stacks; never decides policy."""
+    """Owns the model, the KV tensor, the host swap tensor and the LoRA stacks; never decides policy."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, lora_slots):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, lora_slots,
+                 num_host_blocks: int = 0):
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
         self.device = model.device
+        self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
 
     def execute(self, batch) -> RunnerOutput:
-        """Run one step for a SchedulerOutput."""
+        """Run one step for a SchedulerOutput: block copies (swap out, copy-on-write, swap in), then the model."""
+        if batch.swap_out:
+            self.swap_out(batch.swap_out)
         if batch.copy_pairs:
             src, dst = zip(*batch.copy_pairs)
             kernels.copy_blocks(self.kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+        if batch.swap_in:
+            self.swap_in(batch.swap_in)
+        if not batch.seqs:
+            return RunnerOutput([], [], [])
         input_ids, positions, slot_mapping, token_slots = [], [], [], []
         cu, context_lens, sample_rows, sample_seqs = [0], [], [], []
         bs = self.block_size
@@ -59,18 +67,35 @@ class ModelRunner:
             is_decode=is_decode,
         )
         lora = self._lora_batch(batch, token_slots, cu, is_decode)
+        seqs = [batch.seqs[i] for i in sample_seqs]
+        for j, (i, child) in enumerate(batch.forks):  # n > 1: the other samples share the parent's last row
+            sample_rows.append(cu[i + 1] - 1)
+            sample_seqs.append(len(batch.seqs) + j)
+            seqs.append(child)
+        rows = len(batch.seqs) + len(batch.forks)
+        out = RunnerOutput([None] * rows, [None] * rows, [None] * rows)
         with torch.inference_mode():
             hidden = self.model.forward(self._tensor(input_ids, torch.int64), attn, self.kv_cache, lora)
-            out = RunnerOutput([None] * len(batch.seqs), [None] * len(batch.seqs), [None] * len(batch.seqs))
             if not sample_rows:
                 return out
             logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
-            seqs = [batch.seqs[i] for i in sample_seqs]
             tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
             chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
         for j, i in enumerate(sample_seqs):
             out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]
         return out
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device KV blocks to host blocks: (device, host) pairs."""
+        dev, host = zip(*pairs)
+        data = self.kv_cache.index_select(2, self._tensor(dev, torch.int64))
+        self.host_cache.index_copy_(2, torch.tensor(host, dtype=torch.int64), data.to(self.host_cache.device))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host KV blocks back to device blocks: (host, device) pairs."""
+        host, dev = zip(*pairs)
+        data = self.host_cache.index_select(2, torch.tensor(host, dtype=torch.int64))
+        self.kv_cache.index_copy_(2, self._tensor(dev, torch.int64), data.to(self.device, non_blocking=True))
 
     def _lora_batch(self, batch, token_slots, cu, is_decode) -> LoraBatch | None:
         slots = [seq.adapter_slot for seq in batch.seqs]
@@ -93,3 +118,12 @@ class ModelRunner:
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def allocate_host_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+    """Host swap tensor shaped like the device cache with num_blocks blocks (pinned on CUDA); None if 0."""
+    if num_blocks <= 0:
+        return None
+    shape = list(kv_cache.shape)
+    shape[2] = num_blocks
+    return torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=kv_cache.is_cuda)

@@ -13,6 +13,10 @@ class InvalidRequest(ValueError):
     """Bad client input: becomes an INVALID_ARG error response."""
 
 
+class EngineOverloaded(RuntimeError):
+    """Too many requests waiting (max_waiting_requests): becomes an UNAVAILABLE error response."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop string or a stop token
     LENGTH = "length"  # max_tokens or the model's max length
@@ -21,9 +25,11 @@ class FinishReason(str, enum.Enum):
 
 
 class SeqStatus(enum.Enum):
-    WAITING = 0
+    WAITING = 0  # in the waiting queue (new, or preempted in recompute mode)
     RUNNING = 1
     FINISHED = 2
+    SWAPPED = 3  # preempted in swap mode: its KV sits in host memory
+    FORK_PENDING = 4  # sample 1..n-1 of a request, forked from sample 0 when its prefill ends
 
 
 def _as_bool(value: Any) -> bool:
@@ -197,6 +203,11 @@ class Sequence:
     pending_logprobs: list = field(default_factory=list)  # top candidates not yet reported
     num_sent_tokens: int = 0  # output tokens already reported
     num_sent_chars: int = 0  # output text already reported
+    forks: list = field(default_factory=list)  # FORK_PENDING siblings forked from this seq after its prefill
+    fork_parent: Any = None  # the seq a FORK_PENDING seq will be forked from
+    host_blocks: list[int] = field(default_factory=list)  # swap-space blocks while SWAPPED
+    adapter_skips: int = 0  # steps skipped at admission for want of an adapter slot
+    first_scheduled_time: float | None = None  # when it first ran (None: never started)
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,118 +1,252 @@
-"""Iteration-level scheduler: token budget, chunked prefill, prefix-cache hits, preemption."""
+"""Iteration-level scheduler: token budget, chunked prefill, prefix-cache hits, forks, preemption.
+
+Each step (``schedule``): expire timed-out requests; give every running sequence its next
+tokens within the step's token budget, decodes first, then prefill chunks, preempting a
+victim when a block cannot be had; then, unless that step preempted, swap sequences back
+in and admit waiting ones (policy order, KV watermark, adapter slots, admission cap).
+``update`` applies the runner's tokens, forks n > 1 samples after their prefill, and
+frees finished sequences' blocks before the next step admits. No tensors here.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache.manager import KVCacheManager
+from .kv_cache.swap_space import SwapSpace
+from .policies import VICTIM_POLICIES, admission_key
+from .preemption import AdmissionCap
 from .request import FinishReason, Sequence, SeqStatus
+from .waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Who runs this step, how many new tokens each, their block tables, and COW copies."""
+    """Who runs this step, how many new tokens each, their block tables, and the block copies to make first.
+
+    The runner copies in this order: ``swap_out`` (device -> host), ``copy_pairs``
+    (copy-on-write), ``swap_in`` (host -> device), then runs the model. ``forks`` are
+    (index in ``seqs``, child): the child is sampled from that sequence's last row.
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout)
 
     @property
     def empty(self) -> bool:
-        """Nothing to run."""
-        return not self.seqs
+        """Nothing for the runner to do."""
+        return not (self.seqs or self.swap_out or self.swap_in or self.copy_pairs)
 
 
 class Scheduler:
     """Decides each step's batch; updates sequences with the runner's tokens. Touches no tensors."""
 
-    def __init__(self, config, kv: KVCacheManager, adapters, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, config, kv: KVCacheManager, adapters, eos_token_ids: set[int], max_model_len: int,
+                 num_host_blocks: int = 0, clock: Callable[[], float] = time.monotonic):
         self.config, self.kv, self.adapters = config, kv, adapters
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.clock = clock
+        self.waiting = WaitingQueue(admission_key(config.admission_policy, config.sjf_aging_rate))
         self.running: list[Sequence] = []
-        self.watermark_blocks = max(1, kv.num_blocks // 100)
+        self.swapped: deque[Sequence] = deque()
+        self.swap_space = SwapSpace(num_host_blocks if config.preemption_mode == "swap" else 0)
+        self.pick_victim = VICTIM_POLICIES[config.victim_policy]
+        self.cap = AdmissionCap(config.max_num_seqs, config.preemption_window_steps, config.preemption_threshold)
+        self.watermark_blocks = max(1, int(kv.num_blocks * config.kv_watermark))
+        self.static = config.batching == "static"
         self.prefix_query_tokens: dict[str, int] = {}  # per tenant
         self.prefix_hit_tokens: dict[str, int] = {}
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.num_new_waiting = 0  # requests queued and never started (max_waiting_requests counts these)
+        self._deadlines: list = []  # heap of (deadline, tie, sequences of one request)
+        self._tie = itertools.count()
+        self._preempted_now = 0
+        self._fork_parents: list[Sequence] = []
 
     # ---- admission and removal -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
-        self.waiting.append(seq)
+        """Queue a new request's first sequence (its other samples ride along in seq.forks)."""
+        seq.status = SeqStatus.WAITING
+        for child in seq.forks:
+            child.status, child.fork_parent = SeqStatus.FORK_PENDING, seq
+        self.waiting.push(seq)
+        self.num_new_waiting += 1
+        timeout = seq.request.params.timeout or self.config.default_timeout
+        if timeout:
+            group = [seq, *seq.forks]
+            heapq.heappush(self._deadlines, (seq.request.arrival_time + timeout, next(self._tie), group))
 
     def has_work(self) -> bool:
-        """Any sequence waiting or running."""
-        return bool(self.waiting or self.running)
+        """Any sequence waiting, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
 
-    def remove(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence: free its blocks and adapter pin at once."""
-        if seq.status is SeqStatus.RUNNING:
+    def remove(self, seq: Sequence, reason: FinishReason) -> list[Sequence]:
+        """End a sequence (and its unforked samples) from any state, freeing blocks and pins at once; returns those ended."""
+        status = seq.status
+        if status is SeqStatus.FINISHED:
+            return []
+        if status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self._release(seq)
-        elif seq.status is SeqStatus.WAITING:
+            self.kv.free(seq.seq_id)
+        elif status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
-
-    def _release(self, seq: Sequence) -> None:
-        self.kv.free(seq.seq_id)
-        self._release_adapter(seq)
+            if seq.first_scheduled_time is None:
+                self.num_new_waiting -= 1
+        elif status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_space.release_later(seq.host_blocks)
+            seq.host_blocks = []
+        elif status is SeqStatus.FORK_PENDING:
+            seq.fork_parent.forks.remove(seq)
+        ended = [seq, *seq.forks]
+        self._release_adapter(seq)  # its own pin and those of unforked samples
+        for s in ended:
+            s.status, s.finish_reason = SeqStatus.FINISHED, reason
+        seq.forks = []
+        return ended
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Running sequences first (decode or next prefill chunk), then admit waiting ones."""
+        """Plan one step: expire, run (preempting if needed), then swap in and admit unless that preempted."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        self.swap_space.flush()
+        if self._deadlines:
+            out.finished = self._expire()
+        self._preempted_now = 0
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not self._preempted_now:
+            budget = self._swap_in(out, budget)
+            if not self.swapped and not (self.static and self.running):
+                self._admit(out, budget)
+        self.cap.record(self._preempted_now, len(self.running))
+        if self._fork_parents:
+            index = {s.seq_id: i for i, s in enumerate(out.seqs)}
+            out.forks = [(index[p.seq_id], child) for p in self._fork_parents for child in p.forks]
+            self._fork_parents = []
+        out.copy_pairs = self.kv.take_copy_pairs()
+        return out
+
+    def _expire(self) -> list[Sequence]:
+        now = self.clock()
+        ended: list[Sequence] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            for seq in heapq.heappop(self._deadlines)[2]:
+                ended += self.remove(seq, FinishReason.TIMEOUT)
+        return ended
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Decodes first, then prefill chunks, each in running order; a block shortage preempts a victim."""
+        running = self.running
+        order = [s for s in running if s.num_tokens_to_compute == 1]
+        if len(order) != len(running):
+            order += [s for s in running if s.num_tokens_to_compute != 1]
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
+                continue
             n = min(seq.num_tokens_to_compute, budget)
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
+                victim = self.pick_victim(self.running)
+                budget += self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 self._emit(out, seq, n)
                 budget -= n
-                i += 1
-        if not preempted:
-            budget = self._admit(out, budget)
-        out.copy_pairs = self.kv.take_copy_pairs()
-        return out
+        return budget
 
-    def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        out.seqs.append(seq)
-        out.num_new_tokens.append(n)
-        out.block_tables.append(self.kv.block_table(seq.seq_id))
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
-            if not self._acquire_adapter(seq):
-                skipped.append(seq)  # its adapter cannot get a slot yet; others may go
-                continue
-            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, seq.namespace)
-            n = min(len(seq.token_ids) - num_cached, budget)
-            need = self.kv.blocks_needed(seq.seq_id, num_cached, n, cached)
-            if self.kv.num_free_blocks - need < self.watermark_blocks or not self.kv.allocate(
-                seq.seq_id, num_cached, n, cached
-            ):
-                self._release_adapter(seq)
-                self.waiting.appendleft(seq)
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped-out sequences back, oldest first, while blocks, budget, slots and the cap allow."""
+        kv, bs = self.kv, self.kv.block_size
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            if not self._fits_cap(seq):
                 break
-            self._count_prefix(seq, num_cached)
+            n = min(seq.num_tokens_to_compute, budget)
+            need = -(-(seq.num_computed_tokens + n) // bs)
+            if kv.num_free_blocks - need < self.watermark_blocks or not self._acquire_adapter(seq):
+                break
+            self.swapped.popleft()
+            kv.allocate(seq.seq_id, 0, seq.num_computed_tokens)
+            out.swap_in += zip(seq.host_blocks, kv.block_table(seq.seq_id))
+            self.swap_space.release_later(seq.host_blocks)
+            seq.host_blocks = []
+            if not kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
+                raise AssertionError("swap-in allocation failed after the free-block check")
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._emit(out, seq, n)
+            budget -= n
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in queue order; stop at the first that does not fit (KV, cap, budget)."""
+        kv = self.kv
+        popped: list[Sequence] = []
+        while self.waiting and budget > 0:
+            seq = self.waiting.pop()
+            popped.append(seq)
+            if not self._fits_cap(seq):
+                break
+            if not self._acquire_adapter(seq):
+                seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
+                if seq.adapter_skips > self.config.max_adapter_wait_steps:
+                    break  # waited long enough: nothing behind it is admitted until it gets a slot
+                continue
+            cached, num_cached = kv.find_cached_prefix(seq.token_ids, seq.namespace)
+            n = min(len(seq.token_ids) - num_cached, budget)
+            need = kv.blocks_needed(seq.seq_id, num_cached, n, cached)
+            if kv.num_free_blocks - need < self.watermark_blocks or not kv.allocate(seq.seq_id, num_cached, n, cached):
+                self._release_adapter(seq)
+                break
+            popped.pop()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.clock()
+                self.num_new_waiting -= 1
+                self._count_prefix(seq, num_cached)
             seq.num_computed_tokens = num_cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._emit(out, seq, n)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
-        return budget
+        if popped:
+            self.waiting.unpop(popped)
+
+    def _fits_cap(self, seq: Sequence) -> bool:
+        """Room under max_num_seqs and the admission cap for the seq and its unforked samples (an empty batch always has room)."""
+        if not self.running:
+            return True
+        return len(self.running) + 1 + len(seq.forks) <= min(self.config.max_num_seqs, self.cap.value)
+
+    def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        out.block_tables.append(self.kv.block_table(seq.seq_id))
+        if seq.forks and n == seq.num_tokens_to_compute:
+            self._fork_parents.append(seq)  # prefill ends this step: sample the others from its logits
+
+    def _unemit(self, out: SchedulerOutput, seq: Sequence) -> int:
+        """Take a sequence back out of this step's batch; returns the tokens it had been given."""
+        for i, s in enumerate(out.seqs):
+            if s is seq:
+                del out.seqs[i], out.block_tables[i]
+                if seq in self._fork_parents:
+                    self._fork_parents.remove(seq)
+                return out.num_new_tokens.pop(i)
+        return 0
 
     def _count_prefix(self, seq: Sequence, num_cached: int) -> None:
         tenant = seq.request.tenant
@@ -120,49 +254,100 @@ class Scheduler:
         self.prefix_hit_tokens[tenant] = self.prefix_hit_tokens.get(tenant, 0) + num_cached
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
+        """Pin the adapter once for the seq and once for each unforked sample; all or nothing."""
         name = seq.request.params.lora_name
         if not name:
             return True
-        slot = self.adapters.acquire(name)
-        if slot is None:
-            return False
-        seq.adapter_slot = slot
+        group = [seq, *seq.forks]
+        for i, s in enumerate(group):
+            slot = self.adapters.acquire(name)
+            if slot is None:
+                for t in group[:i]:
+                    self._release_adapter_of(t)
+                return False
+            s.adapter_slot = slot
         return True
 
     def _release_adapter(self, seq: Sequence) -> None:
+        self._release_adapter_of(seq)
+        for child in seq.forks:
+            self._release_adapter_of(child)
+
+    def _release_adapter_of(self, seq: Sequence) -> None:
         if seq.request.params.lora_name and seq.adapter_slot >= 0:
             self.adapters.release(seq.request.params.lora_name, slot=seq.adapter_slot)
         seq.adapter_slot = -1
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute-mode preemption: drop its KV, back to the front of the queue."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Swap the seq out (swap mode, if the host pool has room) or drop its KV; returns budget it gave back."""
+        refund = self._unemit(out, seq)
         self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
+        kv = self.kv
+        blocks = -(-seq.num_computed_tokens // kv.block_size)
+        if self.swap_space.num_blocks and seq.num_computed_tokens and blocks <= self.swap_space.num_free:
+            host = self.swap_space.take(blocks)
+            out.swap_out += zip(kv.source_blocks(seq.seq_id, seq.num_computed_tokens), host)
+            seq.host_blocks = host
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swapped_out += 1
+        else:
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.push_front(seq)
+        kv.free(seq.seq_id)
+        self._release_adapter(seq)
         seq.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self._preempted_now += 1
+        return refund
 
     # ---- after the model ran ---------------------------------------------------------
     def update(self, batch: SchedulerOutput, result) -> list[Sequence]:
-        """Append sampled tokens, check completion, free finished sequences; returns those that changed."""
-        changed = []
+        """Append sampled tokens, fork samples, check completion, free finished sequences; returns those that changed."""
+        changed: list[Sequence] = []
+        forks_at: dict[int, list] = {}
+        base = len(batch.seqs)
+        for j, (i, child) in enumerate(batch.forks):
+            forks_at.setdefault(i, []).append((base + j, child))
+        kv = self.kv
         for i, seq in enumerate(batch.seqs):
             seq.num_computed_tokens += batch.num_new_tokens[i]
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.namespace)
-            token = result.token_ids[i]
-            if token is None:
+            kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.namespace)
+            if result.token_ids[i] is None:
                 continue
-            seq.token_ids.append(token)
-            seq.cumulative_logprob += result.logprobs[i]
-            if result.top_logprobs[i] is not None:
-                seq.pending_logprobs.append(result.top_logprobs[i])
-            reason = self._check_finished(seq, token)
-            if reason is not None:
-                self.remove(seq, reason)
-            changed.append(seq)
+            if forks_at and i in forks_at:
+                for row, child in forks_at[i]:
+                    self._fork(seq, child)
+                    self._append(child, row, result, changed)
+                seq.forks = []
+            self._append(seq, i, result, changed)
+        if any(s.status is SeqStatus.FINISHED for s in changed):
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return changed
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares the parent's blocks (the partly filled last one too) and takes its pin already held."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.fork_parent = None
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
+    def _append(self, seq: Sequence, row: int, result, changed: list[Sequence]) -> None:
+        token = result.token_ids[row]
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += result.logprobs[row]
+        if result.top_logprobs[row] is not None:
+            seq.pending_logprobs.append(result.top_logprobs[row])
+        reason = self._check_finished(seq, token)
+        if reason is not None:
+            self.kv.free(seq.seq_id)
+            self._release_adapter_of(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        changed.append(seq)
 
     def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.request.params

@@ -44,7 +44,7 @@ Loraplex is serving model 'lora_llm':
 curl (one response):
   curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": "Hello", "parameters": {{"max_tokens": 16{lora}}}}}'
 curl (server-sent events, one per chunk):
-  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "parameters": {{"stream": true, "max_tokens": 16{lora}}}}}'
+  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "stream": true, "parameters": {{"max_tokens": 16{lora}}}}}'
 
 Python gRPC streaming (tritonclient):
   import json, numpy as np, tritonclient.grpc as grpcclient

@@ -409,7 +409,13 @@ class TritonServer:
             pass
 
     def stop(self, grace: float = 10.0) -> int | None:
-        """Stop gracefully (SIGINT to the server), then SIGKILL its whole process group after ``grace`` s."""
+        """Stop gracefully (SIGINT to the server), then SIGKILL its whole process group after ``grace`` s.
+
+        SIGINT goes to the server alone: it unloads the models, which tells each Python
+        stub to run ``finalize`` and exit. Whatever of the group is left after ``grace``
+        seconds (a server waiting on a crashed or stuck stub for ``--exit-timeout-secs``,
+        orphaned stubs) is killed with SIGKILL. Returns the server's exit code.
+        """
         proc = self.proc
         if proc is None:
             return None

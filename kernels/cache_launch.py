@@ -39,7 +39,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, runner=None):
     unit = copy_unit(row_bytes, k_cache, v_cache, k, v)
     slots = _index(slot_mapping, k.device)
     args = [k_cache, v_cache, k, v, slots, np.int32(row_bytes // unit)]
-    (runner or runner_for(k)).launch("cache", cache_name("write_kv", unit, slots.dtype), (num_tokens, 1, 1), (128, 1, 1), args)
+    name = cache_name("write_kv", unit, slots.dtype)
+    (runner or runner_for(k)).launch("cache", name, (num_tokens, 1, 1), (128, 1, 1), args)
 
 
 def copy_blocks(kv_cache, src, dst, *, runner=None):

@@ -21,9 +21,14 @@ _ERR_BYTES = 512
 
 
 def cache_dir() -> Path:
-    """Folder for built CPU kernel libraries ($LORAPLEX_KERNEL_CACHE or <repo>/.cache/kernels_cpu)."""
+    """Where built CPU kernel libraries go: $LORAPLEX_KERNEL_CACHE, else <checkout>/.cache/kernels_cpu
+    in a source checkout, else ~/.cache/loraplex/kernels_cpu."""
     env = os.environ.get("LORAPLEX_KERNEL_CACHE")
-    return Path(env) if env else KERNEL_DIR.parent / ".cache" / "kernels_cpu"
+    if env:
+        return Path(env)
+    if (KERNEL_DIR.parent / "pyproject.toml").exists():
+        return KERNEL_DIR.parent / ".cache" / "kernels_cpu"
+    return Path.home() / ".cache" / "loraplex" / "kernels_cpu"
 
 
 def glue_source(source: Path, names: tuple[str, ...]) -> str:
@@ -72,7 +77,9 @@ class CpuLibrary:
         self._entries = {}
         for i, name in enumerate(names):
             fn = getattr(self._lib, f"lp_entry_{i}")
-            fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
+            fn.argtypes = [
+                ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int
+            ]
             fn.restype = ctypes.c_int
             self._entries[name] = fn
 

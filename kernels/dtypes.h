@@ -64,12 +64,22 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// Load N consecutive elements in one access; p must be aligned to sizeof(T) * N.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& pack, float* out) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(pack.v[i]);
+}
+
 // Load N consecutive elements as floats; p must be aligned to sizeof(T) * N.
 template <typename T, int N>
 __device__ __forceinline__ void load_floats(const T* p, float* out) {
-  const Vec<T, N> pack = *reinterpret_cast<const Vec<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(pack.v[i]);
+  to_floats<T, N>(load_vec<T, N>(p), out);
 }
 
 // Raw 16-byte unit for dtype-agnostic copies.

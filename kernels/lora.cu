@@ -76,6 +76,7 @@ __device__ void shrink_tile(T* out, const T* x, const T* a, const int* ranks, Sl
 #pragma unroll
       for (int k = 0; k < TILE; ++k) acc[k] = 0.f;
       const T* arow = a + ((long long)slot * max_rank + r) * h_in;
+#pragma unroll 4
       for (int c = lane * VEC; c < h_in; c += 32 * VEC) {
         float av[VEC];
         load_floats<T, VEC>(arow + c, av);

@@ -3,19 +3,22 @@
 // A block serves one KV head, up to QPB of the query heads that share it (GQA: each K/V
 // row is read once for all of them), one sequence, and one split of the context.
 // Lanes form groups of LANES; a group reads one token's K/V row with 16-byte loads, so a
-// warp covers 32 / LANES tokens per step. Each group keeps an online-softmax state
-// (max, sum, weighted V); groups, then warps, are merged at the end. With one split the
-// block writes the output; with several (flash-decoding) it writes its partial state and
-// paged_decode_reduce merges the splits.
+// warp covers 32 / LANES tokens per step, and issues the loads of kUnroll steps before
+// using them. Each group keeps an online-softmax state (max, sum, weighted V) in log2
+// units (q is pre-scaled by log2(e), so one exp2 per token and query); groups, then
+// warps, are merged at the end. With one split the block writes the output; with several
+// (flash-decoding) it writes its partial state and paged_decode_reduce merges the splits.
 //
 // Shapes: q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // block_tables int32 [B, max_blocks]; context_lens int32 [B]; out [B, Hq, D];
-// partial_acc float32 [B, Hq, S, D]; partial_ml float32 [B, Hq, S, 2] (max, sum).
+// partial_acc float32 [B, Hq, S, D]; partial_ml float32 [B, Hq, S, 2] (max in log2 units, sum).
 #include "dtypes.h"
 
 namespace decode {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kUnroll = 2;  // token steps per warp whose loads are in flight together
+constexpr float kLog2e = 1.4426950408889634f;
 }  // namespace decode
 
 template <typename T, int D>
@@ -40,8 +43,8 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* a, float 
                                             const float* a2) {
   const float mx = fmaxf(m, m2);
   if (mx == LP_NEG_INF) return;
-  const float c1 = m == LP_NEG_INF ? 0.f : expf(m - mx);
-  const float c2 = m2 == LP_NEG_INF ? 0.f : expf(m2 - mx);
+  const float c1 = m == LP_NEG_INF ? 0.f : exp2f(m - mx);
+  const float c2 = m2 == LP_NEG_INF ? 0.f : exp2f(m2 - mx);
   l = l * c1 + l2 * c2;
 #pragma unroll
   for (int e = 0; e < N; ++e) a[e] = a[e] * c1 + a2[e] * c2;
@@ -74,6 +77,7 @@ __global__ void __launch_bounds__(decode::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lg = lane % L::LANES, tg = lane / L::LANES;
 
+  const float qscale = scale * decode::kLog2e;
   float qv[QPB][L::EPL];
 #pragma unroll
   for (int g = 0; g < QPB; ++g) {
@@ -83,7 +87,7 @@ __global__ void __launch_bounds__(decode::kThreads)
         const T* src = q + ((long long)seq * num_q_heads + head0 + g) * D + (v * L::LANES + lg) * L::VEC;
         load_floats<T, L::VEC>(src, &qv[g][v * L::VEC]);
 #pragma unroll
-        for (int e = 0; e < L::VEC; ++e) qv[g][v * L::VEC + e] *= scale;
+        for (int e = 0; e < L::VEC; ++e) qv[g][v * L::VEC + e] *= qscale;
       } else {
 #pragma unroll
         for (int e = 0; e < L::VEC; ++e) qv[g][v * L::VEC + e] = 0.f;
@@ -101,45 +105,59 @@ __global__ void __launch_bounds__(decode::kThreads)
   }
 
   const int* table = block_tables + (long long)seq * max_blocks;
-  for (int base = t_begin + warp * L::TPW; base < t_end; base += decode::kWarps * L::TPW) {
-    const int t = base + tg;
-    const bool valid = t < t_end;
-    float kv[L::EPL];
-    long long row = 0;
-    if (valid) {
-      const long long blk = table[t / block_size];
-      row = ((blk * block_size + t % block_size) * num_kv_heads + kvh) * D;
+  constexpr int kStep = decode::kWarps * L::TPW;  // tokens the block covers per step
+  for (int base = t_begin + warp * L::TPW; base < t_end; base += kStep * decode::kUnroll) {
+    Vec<T, L::VEC> kraw[decode::kUnroll][L::NVL], vraw[decode::kUnroll][L::NVL];
+    bool valid[decode::kUnroll];
 #pragma unroll
-      for (int v = 0; v < L::NVL; ++v)
-        load_floats<T, L::VEC>(k_cache + row + (v * L::LANES + lg) * L::VEC, &kv[v * L::VEC]);
-    } else {
+    for (int u = 0; u < decode::kUnroll; ++u) {
+      const int t = base + u * kStep + tg;
+      valid[u] = t < t_end;
+      if (valid[u]) {
+        const long long blk = table[t / block_size];
+        const long long row = ((blk * block_size + t % block_size) * num_kv_heads + kvh) * D;
 #pragma unroll
-      for (int e = 0; e < L::EPL; ++e) kv[e] = 0.f;
-    }
-    float s[QPB];
-#pragma unroll
-    for (int g = 0; g < QPB; ++g) {
-      if (g < nq) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < L::EPL; ++e) dot += qv[g][e] * kv[e];
-        s[g] = group_sum(dot, L::LANES);
+        for (int v = 0; v < L::NVL; ++v) {
+          kraw[u][v] = load_vec<T, L::VEC>(k_cache + row + (v * L::LANES + lg) * L::VEC);
+          vraw[u][v] = load_vec<T, L::VEC>(v_cache + row + (v * L::LANES + lg) * L::VEC);
+        }
       }
     }
-    if (valid) {
 #pragma unroll
-      for (int v = 0; v < L::NVL; ++v)
-        load_floats<T, L::VEC>(v_cache + row + (v * L::LANES + lg) * L::VEC, &kv[v * L::VEC]);
+    for (int u = 0; u < decode::kUnroll; ++u) {
+      float kv[L::EPL];
+#pragma unroll
+      for (int e = 0; e < L::EPL; ++e) kv[e] = 0.f;
+      if (valid[u]) {
+#pragma unroll
+        for (int v = 0; v < L::NVL; ++v) to_floats<T, L::VEC>(kraw[u][v], &kv[v * L::VEC]);
+      }
+      float s[QPB];
 #pragma unroll
       for (int g = 0; g < QPB; ++g) {
         if (g < nq) {
-          const float mx = fmaxf(m[g], s[g]);
-          const float corr = expf(m[g] - mx);
-          const float p = expf(s[g] - mx);
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < L::EPL; ++e) dot += qv[g][e] * kv[e];
+          s[g] = group_sum(dot, L::LANES);
+        }
+      }
+      if (!valid[u]) continue;
+#pragma unroll
+      for (int v = 0; v < L::NVL; ++v) to_floats<T, L::VEC>(vraw[u][v], &kv[v * L::VEC]);
+#pragma unroll
+      for (int g = 0; g < QPB; ++g) {
+        if (g < nq) {
+          // One exp2: the larger of (old max, score) gets weight 1, the other exp2(-gap).
+          const float gap = s[g] - m[g];  // +inf while m is -inf
+          const float w = exp2f(-fabsf(gap));
+          const bool up = gap > 0.f;
+          const float corr = up ? w : 1.f;
+          const float p = up ? 1.f : w;
           l[g] = l[g] * corr + p;
 #pragma unroll
           for (int e = 0; e < L::EPL; ++e) acc[g][e] = acc[g][e] * corr + p * kv[e];
-          m[g] = mx;
+          if (up) m[g] = s[g];
         }
       }
     }
@@ -180,7 +198,7 @@ __global__ void __launch_bounds__(decode::kThreads)
     float sum = 0.f, val = 0.f;
     if (mx != LP_NEG_INF) {
       for (int w = 0; w < decode::kWarps; ++w) {
-        const float c = s_m[w][g] == LP_NEG_INF ? 0.f : expf(s_m[w][g] - mx);
+        const float c = s_m[w][g] == LP_NEG_INF ? 0.f : exp2f(s_m[w][g] - mx);
         sum += s_l[w][g] * c;
         val += s_acc[w][g][d] * c;
       }
@@ -212,7 +230,7 @@ __global__ void __launch_bounds__(256)
   if (mx != LP_NEG_INF) {
     for (int s = 0; s < num_splits; ++s) {
       if (ml[2 * s] == LP_NEG_INF) continue;
-      const float c = expf(ml[2 * s] - mx);
+      const float c = exp2f(ml[2 * s] - mx);
       sum += ml[2 * s + 1] * c;
       val += partial_acc[(head * num_splits + s) * D + d] * c;
     }

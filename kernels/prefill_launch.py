@@ -23,17 +23,22 @@ def queries_per_block(head_dim: int) -> int:
     return 16 if head_dim <= 128 else 8
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, impl=None, runner=None):
+def paged_attention_prefill(
+    q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, impl=None, runner=None
+):
     """New tokens [T, Hq, D] attend causally to themselves and their cached prefix."""
     impl = impl or DEFAULT_IMPL
     if impl == "sdpa":
         return paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
     if impl != "kernel":
         raise ValueError(f"unknown prefill attention impl {impl!r} (one of {IMPLS})")
-    return paged_attention_prefill_kernel(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, runner=runner)
+    args = (q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+    return paged_attention_prefill_kernel(*args, runner=runner)
 
 
-def paged_attention_prefill_kernel(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, runner=None):
+def paged_attention_prefill_kernel(
+    q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, *, runner=None
+):
     """The tiled CUDA kernel path of paged_attention_prefill."""
     dtype = same_dtype(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -54,5 +59,6 @@ def paged_attention_prefill_kernel(q, k_cache, v_cache, block_tables, cu_query_l
     args = [out, q, k_cache, v_cache, int32_on(block_tables, q.device), int32_on(cu_query_lens, q.device)]
     args += [int32_on(context_lens, q.device), np.int32(num_seqs), np.int32(num_q_heads), np.int32(num_kv_heads)]
     args += [np.int32(block_size), np.int32(max(block_tables.shape[1], 1)), np.float32(scale)]
-    (runner or runner_for(q)).launch("prefill", prefill_name(dtype, head_dim), (tiles, num_q_heads, 1), (THREADS, 1, 1), args)
+    name = prefill_name(dtype, head_dim)
+    (runner or runner_for(q)).launch("prefill", name, (tiles, num_q_heads, 1), (THREADS, 1, 1), args)
     return out

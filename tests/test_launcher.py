@@ -190,7 +190,7 @@ def test_stop_tears_down_the_process_group(tmp_path, demo):
     assert "successfully unloaded" in server.log_path.read_text()
 
 
-def test_stop_kills_a_server_that_ignores_sigint(tmp_path):
+def test_stop_kills_a_server_stuck_past_its_grace(tmp_path):
     """A server stuck past its grace (e.g. waiting on a crashed stub) is killed with its group."""
     hang = ECHO_MODEL.replace(
         "    def execute(self, requests):",

@@ -90,6 +90,7 @@ def make_triton_server_fixture(
             store = Path(adapter_store(tmp / "adapters", demo))
         else:
             store = Path(adapter_store)
+        store.mkdir(parents=True, exist_ok=True)
         server_env = engine_env(model_dir if model_dir is not None else demo["model"], store, engine_config)
         server_env.update(env or {})
         server = TritonServer(

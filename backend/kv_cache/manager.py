@@ -176,12 +176,31 @@ class KVCacheManager:
         return pairs
 
     def free(self, seq_id: SeqId) -> None:
-        """Release the seq's blocks, tail first (tail blocks are evicted before a shared prefix); unknown seq is a no-op."""
+        """Release the seq's blocks, tail first (tail blocks are evicted before a shared prefix); unknown seq is a no-op.
+
+        Pending copy-on-write pairs into its blocks are dropped: nobody will read them.
+        """
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
         del self._hashes[seq_id]
+        if self._copy_pairs:
+            mine = set(table)
+            self._copy_pairs = [p for p in self._copy_pairs if p[1] not in mine]
         self.pool.release(reversed(table))
+
+    def source_blocks(self, seq_id: SeqId, num_tokens: int) -> list[int]:
+        """Blocks holding the seq's first num_tokens tokens as they are before pending copies run.
+
+        A block that is the destination of a pending copy-on-write pair (its content not
+        copied yet) reads as that pair's source. Used to swap a sequence out in the same
+        step that allocated for it.
+        """
+        table = self._tables[seq_id][: -(-num_tokens // self.block_size)]
+        if not self._copy_pairs:
+            return list(table)
+        src_of = {dst: src for src, dst in self._copy_pairs}
+        return [src_of.get(b, b) for b in table]
 
     # -------------------------------------------------------------- invariants
 

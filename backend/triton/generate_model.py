@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..lora.manager import AdapterNotFound
 from ..metrics import TritonMetrics
-from ..request import InvalidRequest
+from ..request import EngineOverloaded, InvalidRequest
 from .parsing import parse_generate_input
 from .responder import Responder
 
@@ -75,6 +75,8 @@ class TritonPythonModel:
                 self._enqueue(request, sender)
             except InvalidRequest as exc:
                 self.responder.send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except EngineOverloaded as exc:
+                self.responder.send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             except AdapterNotFound as exc:
                 self.responder.send_error(sender, exc.args[0] if exc.args else str(exc), pb_utils.TritonError.NOT_FOUND)
             except Exception as exc:  # a bug must still end the request
@@ -95,7 +97,11 @@ class TritonPythonModel:
         self.responder.register(
             request_id, sender, parsed.stream, parsed.prompt, parsed.exclude_input, parsed.returns, parsed.params.n
         )
-        self.engine.add_request(engine_request)
+        try:
+            self.engine.add_request(engine_request)
+        except EngineOverloaded:
+            self.responder.unregister(request_id)
+            raise
 
     def finalize(self):
         self.engine.stop()

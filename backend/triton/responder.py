@@ -79,6 +79,11 @@ class Responder:
         with self.lock:
             self.pending[request_id] = Pending(sender, stream, prompt, exclude_input, returns, n)
 
+    def unregister(self, request_id: str) -> None:
+        """Forget a registered request the engine refused (nothing was sent for it)."""
+        with self.lock:
+            self.pending.pop(request_id, None)
+
     def push(self, outputs: list) -> None:
         """Called by the engine loop; never blocks."""
         self.queue.put(outputs)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from loraplex.kernels import cpu_runner
 from loraplex.kernels.instances import FAMILIES
+
+sys.path.insert(0, str(Path(__file__).parent))  # kernel_cases, under any pytest import mode
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,10 @@ def test_write_kv_with_padding_slots(cpu, dtype, index_dtype):
     check_write(cpu, dtype, 2, 32, [5, 0, -1, 23, 4, -1, 9], index_dtype)
 
 
-@pytest.mark.parametrize("head_dim,dtype,unit", [(3, torch.float16, 2), (3, torch.float32, 4), (2, torch.bfloat16, 4), (8, torch.float16, 16)])
+@pytest.mark.parametrize(
+    "head_dim,dtype,unit",
+    [(3, torch.float16, 2), (3, torch.float32, 4), (2, torch.bfloat16, 4), (8, torch.float16, 16)],
+)
 def test_write_kv_copy_units(cpu, head_dim, dtype, unit):
     k = torch.zeros(2, 1, head_dim, dtype=dtype)
     assert cache_launch.copy_unit(k[0].numel() * k.element_size(), k) == unit

@@ -73,14 +73,18 @@ def test_thread_and_block_indices_in_three_dimensions(lib):
 def _special_floats() -> torch.Tensor:
     half_bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     bf16_bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    edges = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e9, -1e9, 6e-8, 3e-8, 2.9e-8, 1e-40, float("inf"), -float("inf")])
+    edges = [0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e9, -1e9, 6e-8, 3e-8, 2.9e-8, 1e-40, float("inf"), -float("inf")]
+    edges = torch.tensor(edges)
     gen = torch.Generator().manual_seed(0)
     rand = torch.randn(20000, generator=gen) * torch.logspace(-9, 6, 20000)
     mids = (half_bits[1:2000] + half_bits[:1999]) / 2  # ties between neighbouring halves
     return torch.cat([half_bits, bf16_bits, edges, rand, mids])
 
 
-@pytest.mark.parametrize("dtype,name", [(torch.float16, "convert<__half>"), (torch.bfloat16, "convert<__nv_bfloat16>"), (torch.float32, "convert<float>")])
+@pytest.mark.parametrize(
+    "dtype,name",
+    [(torch.float16, "convert<__half>"), (torch.bfloat16, "convert<__nv_bfloat16>"), (torch.float32, "convert<float>")],
+)
 def test_float_conversions_match_torch_bitwise(lib, dtype, name):
     x = _special_floats()
     x = x[~x.isnan()]

@@ -81,4 +81,5 @@ def test_unsupported_head_dim_is_rejected(cpu):
     q = torch.randn(1, 2, 48)
     kv = torch.randn(2, 4, 2, 48)
     with pytest.raises(ValueError, match="head dim"):
-        decode_launch.paged_attention_decode(q, kv, kv, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]), 1.0, runner=cpu)
+        tables = torch.zeros(1, 1, dtype=torch.int32)
+        decode_launch.paged_attention_decode(q, kv, kv, tables, torch.tensor([1]), 1.0, runner=cpu)

@@ -115,7 +115,8 @@ def test_empty_batch(cpu):
 
 def test_mismatched_dtypes_are_rejected(cpu):
     with pytest.raises(TypeError, match="dtype"):
-        lora_launch.lora_shrink_bgmv(torch.randn(2, 8), torch.randn(1, 2, 8).half(), torch.zeros(2, dtype=torch.int32), torch.tensor([2]), runner=cpu)
+        x, a = torch.randn(2, 8), torch.randn(1, 2, 8).half()
+        lora_launch.lora_shrink_bgmv(x, a, torch.zeros(2, dtype=torch.int32), torch.tensor([2]), runner=cpu)
 
 
 @settings(max_examples=25, deadline=None)

@@ -14,7 +14,10 @@ from loraplex.kernels.instances import FAMILIES
 from loraplex.kernels.sources import expanded_source
 
 SELFTEST = Path(__file__).with_name("shim_selftest.cu")
-SELFTEST_NAMES = ("reverse_in_block", "shuffles", "atomics", "indices", "math", "convert<float>", "convert<__half>", "convert<__nv_bfloat16>")
+SELFTEST_NAMES = (
+    "reverse_in_block", "shuffles", "atomics", "indices", "math",
+    "convert<float>", "convert<__half>", "convert<__nv_bfloat16>",
+)
 CASES = list(itertools.product(FAMILIES, nvrtc_check.ARCHS))
 
 

@@ -1,0 +1,400 @@
+"""GPU kernel benchmark: numerics vs the torch reference, then bandwidth and time vs torch baselines.
+
+Runs in-process on one CUDA device (no Triton). Sections:
+  1. numerics: every kernel (all dtypes) against kernels/reference.py on the GPU;
+  2. paged-attention decode at 7B-class shapes: achieved memory bandwidth as a fraction
+     of the device peak, and time vs gather + torch SDPA;
+  3. BGMV shrink + expand (hidden 4096, ranks 8-64): bandwidth and time vs gather + bmm;
+  4. prefill attention: tiled kernel vs gather + SDPA (which default to use).
+Prints a table per section; writes JSON to --out, or to $OUT/gpu_kernels.json when $OUT
+is set. Stops adding measurements once --budget-s seconds have passed (default 240).
+Usage: python benchmarks/gpu_kernels.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+NO_GPU_EXIT = 2
+KNOWN_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "H800": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+HIDDEN, NUM_ADAPTERS = 4096, 16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    """One decode measurement: batch sequences of context tokens, 7B-class heads."""
+
+    batch: int
+    context: int
+    num_q_heads: int = NUM_Q_HEADS
+    num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+    block_size: int = BLOCK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class BgmvShape:
+    """One BGMV measurement: batch tokens over NUM_ADAPTERS adapters of the given ranks."""
+
+    batch: int
+    ranks: tuple[int, ...]
+    hidden: int = HIDDEN
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillShape:
+    """One prefill measurement: seqs chunks of new tokens after prefix cached tokens."""
+
+    seqs: int
+    new_tokens: int
+    prefix: int
+
+
+def import_kernels():
+    """loraplex.kernels, installed or (without an install) loaded from this checkout's kernels/."""
+    try:
+        import loraplex.kernels as kernels
+
+        return kernels
+    except ImportError:
+        pass
+    import types
+
+    if "loraplex" not in sys.modules:
+        root = types.ModuleType("loraplex")
+        root.__path__ = []
+        sys.modules["loraplex"] = root
+    spec = importlib.util.spec_from_file_location(
+        "loraplex.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["loraplex.kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop measuring after this long")
+    p.add_argument("--out", type=Path, default=None, help="JSON file (default $OUT/gpu_kernels.json)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.contexts, args.ranks, args.iters = [64, 256], [512, 4096], [8, 64], 10
+    return args
+
+
+def decode_shapes(batches, contexts) -> list[DecodeShape]:
+    """Decode shapes: every batch x context."""
+    return [DecodeShape(b, c) for b in batches for c in contexts]
+
+
+def bgmv_shapes(batches, ranks) -> list[BgmvShape]:
+    """BGMV shapes: every batch x uniform rank, plus one mixed-rank set per batch."""
+    shapes = [BgmvShape(b, (r,) * NUM_ADAPTERS) for b in batches for r in ranks]
+    mixed = tuple(ranks[i % len(ranks)] for i in range(NUM_ADAPTERS))
+    return shapes + [BgmvShape(b, mixed) for b in batches]
+
+
+def prefill_shapes(quick: bool) -> list[PrefillShape]:
+    """Prefill chunk shapes."""
+    shapes = [PrefillShape(1, 2048, 0), PrefillShape(4, 512, 1024), PrefillShape(8, 128, 2048)]
+    return shapes[:2] if quick else shapes
+
+
+def decode_bytes(s: DecodeShape, elem: int) -> int:
+    """Bytes decode must move: K and V of every context token, q and out."""
+    kv = s.batch * s.context * s.num_kv_heads * s.head_dim * 2 * elem
+    return kv + 2 * s.batch * s.num_q_heads * s.head_dim * elem
+
+
+def bgmv_bytes(s: BgmvShape, used_slots: list[int], elem: int) -> int:
+    """Bytes shrink + expand must move: x, used A/B rows, v (twice), y read and written."""
+    max_rank = max(s.ranks)
+    weights = sum(2 * s.ranks[slot] * s.hidden for slot in used_slots) * elem
+    return (s.batch * s.hidden + 2 * s.batch * max_rank + 2 * s.batch * s.hidden) * elem + weights
+
+
+def out_path(args) -> Path | None:
+    """Where the JSON goes, if anywhere."""
+    if args.out:
+        return args.out
+    env = os.environ.get("OUT")
+    return Path(env) / "gpu_kernels.json" if env else None
+
+
+def peak_gbs(args) -> tuple[float, str]:
+    """Device peak memory bandwidth in GB/s and where the number came from."""
+    if args.peak_gbs:
+        return args.peak_gbs, "--peak-gbs"
+    try:
+        import cupy
+
+        dev = torch.cuda.current_device()
+        clock_khz = cupy.cuda.runtime.deviceGetAttribute(36, dev)  # cudaDevAttrMemoryClockRate
+        bus_bits = cupy.cuda.runtime.deviceGetAttribute(37, dev)  # cudaDevAttrGlobalMemoryBusWidth
+        if clock_khz and bus_bits:
+            return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device attributes (memory clock x bus width)"
+    except Exception as err:  # noqa: BLE001 - fall back to the name table
+        print(f"note: device attributes unavailable ({err}); using the name table", file=sys.stderr)
+    name = torch.cuda.get_device_name()
+    for key, gbs in KNOWN_PEAK_GBS.items():
+        if key in name:
+            return gbs, f"table entry {key}"
+    return float("nan"), "unknown"
+
+
+class Timer:
+    """Times GPU work with CUDA events, L2 flushed before each run."""
+
+    def __init__(self, iters: int):
+        self.iters = iters
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def ms(self, fn) -> float:
+        """Median milliseconds of fn over iters cold-L2 runs (after 3 warm-ups)."""
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def paged(shape: DecodeShape, dtype, contexts, device="cuda"):
+    """Random paged K/V with shuffled block tables for the given context lengths."""
+    per_seq = [math.ceil(c / shape.block_size) for c in contexts]
+    width = max(per_seq)
+    num_blocks = sum(per_seq)
+    k = torch.randn(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32, device=device)
+    pos = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = perm[pos : pos + n]
+        pos += n
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    return k, v, tables, lens
+
+
+def numerics(dtypes) -> list[dict]:
+    """Max abs error of every kernel vs the reference, each dtype; small varied shapes."""
+    from loraplex.kernels import cache_launch, decode_launch, lora_launch, prefill_launch, reference
+
+    rows = []
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
+
+    def record(kernel, dtype, got, want):
+        err = (got.float() - want.float()).abs().max().item()
+        scale = max(1.0, want.float().abs().max().item())
+        ok = err <= tol[dtype] * scale
+        rows.append({"kernel": kernel, "dtype": str(dtype).split(".")[-1], "max_abs_err": err, "ok": ok})
+
+    for dtype in dtypes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        rn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)  # noqa: E731
+        ranks = torch.tensor([8, 1, 64, 16], dtype=torch.int32, device="cuda")
+        scales = torch.tensor([0.5, 1.0, 2.0, 0.25], device="cuda")
+        a, b = rn(4, 64, 512), rn(4, 384, 64)
+        slots = torch.randint(-1, 4, (37,), generator=g, device="cuda", dtype=torch.int32)
+        x, y, vv = rn(37, 512), rn(37, 384), rn(37, 64)
+        want = reference.lora_shrink_bgmv(x, a, slots, ranks)
+        record("shrink_bgmv", dtype, lora_launch.lora_shrink_bgmv(x, a, slots, ranks), want)
+        record("expand_bgmv", dtype, lora_launch.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales),
+               reference.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales))
+        starts = torch.tensor([0, 10, 10, 30, 37], dtype=torch.int32, device="cuda")
+        seg = torch.tensor([2, 0, -1, 3], dtype=torch.int32, device="cuda")
+        want = reference.lora_shrink_sgmv(x, a, starts, seg, ranks)
+        record("shrink_sgmv", dtype, lora_launch.lora_shrink_sgmv(x, a, starts, seg, ranks), want)
+        record("expand_sgmv", dtype, lora_launch.lora_expand_sgmv(y.clone(), vv, b, starts, seg, ranks, scales),
+               reference.lora_expand_sgmv(y.clone(), vv, b, starts, seg, ranks, scales))
+        shape = DecodeShape(5, 0)
+        k, v, tables, lens = paged(shape, dtype, [1, 16, 17, 700, 2100])
+        q = rn(5, NUM_Q_HEADS, HEAD_DIM)
+        want = reference.paged_attention_decode(q, k, v, tables, lens, HEAD_DIM**-0.5)
+        for splits in (1, 4, None):
+            got = decode_launch.paged_attention_decode(q, k, v, tables, lens, HEAD_DIM**-0.5, num_splits=splits)
+            record(f"decode splits={splits or 'auto'}", dtype, got, want)
+        k, v, tables, lens = paged(shape, dtype, [40, 300, 17, 1, 90])
+        cu = torch.tensor([0, 40, 140, 157, 158, 178], dtype=torch.int32, device="cuda")
+        q = rn(178, NUM_Q_HEADS, HEAD_DIM)
+        want = reference.paged_attention_prefill(q, k, v, tables, cu, lens, HEAD_DIM**-0.5)
+        for impl in prefill_launch.IMPLS:
+            got = prefill_launch.paged_attention_prefill(q, k, v, tables, cu, lens, HEAD_DIM**-0.5, impl=impl)
+            record(f"prefill {impl}", dtype, got, want)
+        kc, vc = torch.zeros_like(k), torch.zeros_like(v)
+        kr, vr = kc.clone(), vc.clone()
+        slot_map = torch.tensor([3, -1, 40, 77, 5], device="cuda")
+        newk, newv = rn(5, NUM_KV_HEADS, HEAD_DIM), rn(5, NUM_KV_HEADS, HEAD_DIM)
+        cache_launch.write_kv(kc, vc, newk, newv, slot_map)
+        reference.write_kv(kr, vr, newk, newv, slot_map)
+        record("write_kv", dtype, torch.stack([kc, vc]), torch.stack([kr, vr]))
+        kv = rn(2, 2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        kv_ref = kv.clone()
+        src, dst = torch.tensor([0, 3], device="cuda"), torch.tensor([5, 6], device="cuda")
+        cache_launch.copy_blocks(kv, src, dst)
+        reference.copy_blocks(kv_ref, src, dst)
+        record("copy_blocks", dtype, kv, kv_ref)
+    torch.cuda.synchronize()
+    return rows
+
+
+def bench_decode(shapes, dtype, timer, peak, deadline) -> list[dict]:
+    """Decode kernel bandwidth and time vs gather + SDPA."""
+    import torch.nn.functional as F
+
+    from loraplex.kernels import decode_launch
+
+    rows = []
+    for s in shapes:
+        if time.monotonic() > deadline:
+            break
+        k, v, tables, lens = paged(s, dtype, [s.context] * s.batch)
+        q = torch.randn(s.batch, s.num_q_heads, s.head_dim, device="cuda", dtype=dtype)
+        scale = s.head_dim**-0.5
+        kernel_ms = timer.ms(lambda: decode_launch.paged_attention_decode(q, k, v, tables, lens, scale))
+
+        def baseline():
+            kk = k[tables.long()].flatten(1, 2)[:, : s.context].transpose(1, 2)
+            vv = v[tables.long()].flatten(1, 2)[:, : s.context].transpose(1, 2)
+            return F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=scale, enable_gqa=True)
+
+        base_ms = timer.ms(baseline)
+        gbs = decode_bytes(s, k.element_size()) / (kernel_ms * 1e-3) / 1e9
+        rows.append({**asdict(s), "kernel_ms": kernel_ms, "torch_ms": base_ms, "speedup": base_ms / kernel_ms,
+                     "gbs": gbs, "peak_fraction": gbs / peak})
+        del k, v
+    return rows
+
+
+def bench_bgmv(shapes, dtype, timer, peak, deadline) -> list[dict]:
+    """BGMV shrink + expand bandwidth and time vs gather + bmm (padded to the max rank)."""
+    from loraplex.kernels import lora_launch
+
+    rows = []
+    for s in shapes:
+        if time.monotonic() > deadline:
+            break
+        max_rank = max(s.ranks)
+        a = torch.randn(NUM_ADAPTERS, max_rank, s.hidden, device="cuda", dtype=dtype) * 0.02
+        b = torch.randn(NUM_ADAPTERS, s.hidden, max_rank, device="cuda", dtype=dtype) * 0.02
+        ranks = torch.tensor(s.ranks, dtype=torch.int32, device="cuda")
+        scales = torch.ones(NUM_ADAPTERS, device="cuda")
+        slots = torch.randint(0, NUM_ADAPTERS, (s.batch,), device="cuda", dtype=torch.int32)
+        x = torch.randn(s.batch, s.hidden, device="cuda", dtype=dtype)
+        y = torch.zeros(s.batch, s.hidden, device="cuda", dtype=dtype)
+
+        def kernel():
+            v = lora_launch.lora_shrink_bgmv(x, a, slots, ranks)
+            lora_launch.lora_expand_bgmv(y, v, b, slots, ranks, scales)
+
+        def baseline():
+            idx = slots.long()
+            v = torch.bmm(a[idx], x.unsqueeze(2))  # [T, R, 1]
+            y.add_(torch.bmm(b[idx], v).squeeze(2))
+
+        kernel_ms = timer.ms(kernel)
+        base_ms = timer.ms(baseline)
+        used = sorted(set(slots.tolist()))
+        gbs = bgmv_bytes(s, used, x.element_size()) / (kernel_ms * 1e-3) / 1e9
+        rank_label = str(s.ranks[0]) if len(set(s.ranks)) == 1 else "mixed " + "/".join(map(str, sorted(set(s.ranks))))
+        rows.append({"batch": s.batch, "ranks": rank_label, "hidden": s.hidden, "kernel_ms": kernel_ms,
+                     "torch_ms": base_ms, "speedup": base_ms / kernel_ms, "gbs": gbs, "peak_fraction": gbs / peak})
+    return rows
+
+
+def bench_prefill(shapes, dtype, timer, deadline) -> list[dict]:
+    """Prefill: tiled kernel vs gather + SDPA."""
+    from loraplex.kernels import prefill_launch
+
+    rows = []
+    for s in shapes:
+        if time.monotonic() > deadline:
+            break
+        ctx = s.prefix + s.new_tokens
+        k, v, tables, lens = paged(DecodeShape(s.seqs, ctx), dtype, [ctx] * s.seqs)
+        cu = torch.arange(0, s.seqs + 1, device="cuda", dtype=torch.int32) * s.new_tokens
+        q = torch.randn(s.seqs * s.new_tokens, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+        times = {}
+        for impl in prefill_launch.IMPLS:
+            args = (q, k, v, tables, cu, lens, HEAD_DIM**-0.5)
+            times[impl] = timer.ms(lambda: prefill_launch.paged_attention_prefill(*args, impl=impl))
+        rows.append({**asdict(s), "kernel_ms": times["kernel"], "sdpa_ms": times["sdpa"],
+                     "faster": min(times, key=times.get)})
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    """A plain aligned table."""
+    print(f"\n== {title}")
+    if not rows:
+        print("(nothing measured)")
+        return
+    cols = list(rows[0])
+    cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+
+
+def main(argv=None) -> int:
+    """Run every section; 0 when all numerics pass, 1 when some fail, 2 without a GPU."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_kernels: no CUDA device available; nothing to measure (run this on a GPU machine).", file=sys.stderr)
+        return NO_GPU_EXIT
+    deadline = time.monotonic() + args.budget_s
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    torch.manual_seed(0)
+    peak, peak_source = peak_gbs(args)
+    report = {"device": torch.cuda.get_device_name(), "peak_gbs": peak, "peak_source": peak_source,
+              "dtype": args.dtype, "torch": torch.__version__}
+    print(f"device {report['device']}: peak {peak:.0f} GB/s ({peak_source})")
+    import_kernels()
+    report["numerics"] = numerics((torch.float32, torch.float16, torch.bfloat16))
+    print_table("numerics vs reference", report["numerics"])
+    timer = Timer(args.iters)
+    report["decode"] = bench_decode(decode_shapes(args.batches, args.contexts), dtype, timer, peak, deadline)
+    print_table("paged-attention decode (Hq 32, Hkv 8, D 128, block 16)", report["decode"])
+    report["bgmv"] = bench_bgmv(bgmv_shapes(args.batches, args.ranks), dtype, timer, peak, deadline)
+    print_table(f"BGMV shrink+expand (hidden {HIDDEN}, {NUM_ADAPTERS} adapters)", report["bgmv"])
+    report["prefill"] = bench_prefill(prefill_shapes(args.quick), dtype, timer, deadline)
+    print_table("prefill attention: tiled kernel vs gather+SDPA", report["prefill"])
+    report["elapsed_s"] = args.budget_s - (deadline - time.monotonic())
+    path = out_path(args)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {path}")
+    return 0 if all(r["ok"] for r in report["numerics"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

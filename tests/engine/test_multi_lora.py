@@ -1,0 +1,279 @@
+"""Multi-LoRA batching in the engine, checked token for token against HF transformers + peft.
+
+Six adapters (ranks 4..64; attention-only, MLP-only, all seven projections, one with
+layers_to_transform, one rsLoRA, one with rank_pattern / alpha_pattern) and base-model
+requests share one continuous batch with staggered arrivals, while only three adapters fit
+in device slots (max_loras=3) and two in host memory (max_cpu_loras=2), so adapters wait,
+get evicted and are read from disk again. Runs on three architectures: LLaMA with GQA,
+Qwen2 (q/k/v bias) and Mistral with MHA (the ``arch`` fixture, tests/engine/conftest.py).
+
+Numerics: fp32 on CPU. Greedy outputs must equal peft's ``generate(do_sample=False)``
+exactly; logits of the prefill step (SGMV) and of the next decode step (BGMV) must match
+peft's within LOGIT_ATOL.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import peft_reference as ref
+from loraplex.config import EngineConfig
+from loraplex.engine import LLMEngine
+from loraplex.models.llama import AttentionBatch, LoraBatch
+from loraplex.request import RequestOutput, SamplingParams, SeqStatus
+
+LOGIT_ATOL = 1e-4  # fp32; the observed maximum is below 2e-5 (logits are O(10))
+MAX_LORAS = 3
+MAX_CPU_LORAS = 2
+BLOCK_SIZE = 8
+NUM_KV_BLOCKS = 256
+MAX_BATCHED_TOKENS = 48  # below the longest prompt: its prefill is chunked next to decodes
+
+SHARED = "The quick brown fox jumps over the lazy dog"  # one prompt under several adapters
+LONG = "Once upon a time, in a land far away, there lived a tenant who served many adapters at once."
+
+# (request id, adapter or None for the base model, prompt, max_tokens, tenant), in arrival waves.
+WAVES: list[list[tuple[str, str | None, str, int, str]]] = [
+    [
+        ("w1-attn", "attn-r4", SHARED, 10, "t1"),
+        ("w1-mlp", "mlp-r8", "Hello world", 12, "t2"),
+        ("w1-base", None, SHARED, 9, "t1"),
+        ("w1-all16", "all-r16", "1, 2, 3,", 11, "t3"),
+        ("w1-r64", "all-r64", SHARED, 8, "t1"),  # 4th and 5th adapter: wait for a slot
+        ("w1-layers", "layers-r24", LONG, 10, "t2"),
+    ],
+    [
+        ("w2-rslora", "rslora-r32", "def main():", 12, "t3"),
+        ("w2-attn", "attn-r4", SHARED, 7, "t2"),  # same adapter + prompt, other tenant
+        ("w2-base", None, LONG, 6, "t2"),
+        ("w2-mlp", "mlp-r8", "Triton serves many tenants", 9, "t1"),
+        ("w2-r64", "all-r64", "What is LoRA? It is a low-rank adapter.", 10, "t4"),
+    ],
+    [
+        ("w3-layers", "layers-r24", "abc", 12, "t1"),
+        ("w3-all16", "all-r16", SHARED, 10, "t1"),
+        ("w3-base", None, "x", 8, "t3"),
+        ("w3-rslora", "rslora-r32", LONG, 9, "t4"),
+        ("w3-mlp", "mlp-r8", SHARED, 11, "t2"),
+    ],
+]
+STEPS_BETWEEN_WAVES = [3, 2]
+
+
+def make_engine(family, **overrides) -> LLMEngine:
+    """An fp32 CPU engine over the family's model with all six adapters registered."""
+    config = dict(
+        model_dir=family.model_dir, device="cpu", dtype="float32", multi_lora=dict(family.adapters),
+        max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS, max_lora_rank=64, num_kv_blocks=NUM_KV_BLOCKS,
+        block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+    )
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+def greedy(max_tokens: int, lora: str | None) -> SamplingParams:
+    values = {"temperature": 0, "max_tokens": max_tokens}
+    if lora:
+        values["lora_name"] = lora
+    return SamplingParams.from_dict(values)
+
+
+def check_step_invariants(engine: LLMEngine) -> bool:
+    """Slot and pin bookkeeping after a step; returns whether a sequence is waiting for a slot."""
+    mgr, sched = engine.adapters, engine.scheduler
+    running = [s for s in sched.running]
+    users: dict[str, int] = {}
+    for seq in running:
+        assert seq.status is SeqStatus.RUNNING
+        name = seq.request.params.lora_name
+        if name is None:
+            assert seq.adapter_slot == -1
+            continue
+        users[name] = users.get(name, 0) + 1
+        assert seq.adapter_slot == mgr.slot_of(name), (name, seq.adapter_slot, mgr.slot_of(name))
+    assert len(users) <= MAX_LORAS
+    for name in mgr.names():
+        assert mgr.pins(name) == users.get(name, 0), (name, mgr.pins(name), users.get(name, 0))
+    slots = [mgr.slot_of(n) for n in users]
+    assert len(set(slots)) == len(slots)  # two adapters never share a slot
+    engine.kv_manager.check_invariants()
+    return mgr.pinned_count() == MAX_LORAS and any(
+        s.request.params.lora_name and not mgr.is_resident(s.request.params.lora_name) for s in sched.waiting
+    )
+
+
+def collect(outputs: list[RequestOutput], into: dict[str, list[RequestOutput]]) -> None:
+    for out in outputs:
+        into.setdefault(out.request_id, []).append(out)
+
+
+def test_staggered_multi_lora_batch_matches_peft(lora_family, arch):
+    family = lora_family(arch)
+    engine = make_engine(family)
+    requests = {}
+    outputs: dict[str, list[RequestOutput]] = {}
+    saw_wait_for_slot = False
+    for w, wave in enumerate(WAVES):
+        for rid, lora, prompt, max_tokens, tenant in wave:
+            req = engine.make_request(rid, prompt, greedy(max_tokens, lora), tenant)
+            requests[rid] = req
+            engine.add_request(req)
+        steps = STEPS_BETWEEN_WAVES[w] if w < len(STEPS_BETWEEN_WAVES) else 10_000
+        for _ in range(steps):
+            if not engine.has_work():
+                break
+            collect(engine.step(), outputs)
+            saw_wait_for_slot |= check_step_invariants(engine)
+    assert not engine.has_work()
+
+    # Every request, adapter or base, equals peft's greedy generate token for token.
+    assert set(outputs) == set(requests)
+    mismatches = {}
+    for rid, req in requests.items():
+        outs = outputs[rid]
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        got = [t for o in outs for t in o.token_ids]
+        lora = req.params.lora_name
+        want = ref.greedy_tokens(family.model_dir, family.adapters[lora] if lora else None,
+                                 req.prompt_token_ids, req.params.max_tokens)
+        if got != want:
+            mismatches[rid] = (lora, got, want)
+        assert outs[-1].finish_reason == ("length" if len(want) == req.params.max_tokens and want[-1] != 2 else "stop")
+    assert not mismatches, mismatches
+
+    # The adapters really change the output (otherwise equality above proves nothing).
+    base_shared = ref.greedy_tokens(family.model_dir, None, requests["w1-base"].prompt_token_ids, 8)
+    for rid in ("w1-attn", "w1-r64", "w3-all16", "w3-mlp"):
+        assert [t for o in outputs[rid] for t in o.token_ids][:8] != base_shared, rid
+
+    # Six adapters through three device slots and a two-entry host tier.
+    mgr = engine.adapters
+    used = {r.params.lora_name for r in requests.values() if r.params.lora_name}
+    assert len(used) == len(family.adapters) == 6
+    assert saw_wait_for_slot, "no request ever waited for a device slot"
+    assert mgr.evictions >= len(used) - MAX_LORAS
+    assert mgr.host_evictions >= len(used) - MAX_CPU_LORAS
+    assert mgr.loads_from_disk == mgr.host_evictions + len(mgr.host_names())
+    assert mgr.loads_from_disk > len(used)  # some adapter was read from disk twice
+    assert mgr.pinned_count() == 0 and all(mgr.pins(n) == 0 for n in mgr.names())
+    assert len(mgr.resident_names()) == MAX_LORAS
+    assert engine.kv_manager.num_free_blocks == NUM_KV_BLOCKS
+    engine.kv_manager.check_invariants()
+
+
+# ---- first-step logits -------------------------------------------------------------------
+
+
+def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]]):
+    """Logits of one prefill step over all rows (SGMV) and of the decode step after it (BGMV).
+
+    Drives ``engine.model.forward`` directly, with tensors built as ModelRunner.execute
+    builds them, on a private KV cache. Each row is (prompt ids, adapter name or None);
+    rows are one batch, so their adapters must fit the device slots together. Returns
+    (prefill logits [B, V], greedy next tokens [B], decode logits [B, V]).
+    """
+    model, bs = engine.model, BLOCK_SIZE
+    names = [name for _, name in rows]
+    slots = [engine.adapters.acquire(n) if n else -1 for n in names]
+    try:
+        assert None not in slots
+        lens = [len(ids) for ids, _ in rows]
+        per_seq = [(n + 1 + bs - 1) // bs for n in lens]  # room for the decode token
+        tables, nxt = [], 1  # leave block 0 unused so a zero table entry would be caught
+        for n in per_seq:
+            tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        kv = model.allocate_kv_cache(nxt, bs)
+        width = max(per_seq)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+        def flat(table, p):
+            return table[p // bs] * bs + p % bs
+
+        ids, positions, mapping, token_slots, cu = [], [], [], [], [0]
+        for (prompt, _), table, slot in zip(rows, tables, slots):
+            ids += prompt
+            positions += range(len(prompt))
+            mapping += [flat(table, p) for p in range(len(prompt))]
+            token_slots += [slot] * len(prompt)
+            cu.append(cu[-1] + len(prompt))
+        i32 = dict(dtype=torch.int32)
+        attn = AttentionBatch(
+            positions=torch.tensor(positions), slot_mapping=torch.tensor(mapping), block_tables=padded,
+            context_lens=torch.tensor(lens, **i32), cu_query_lens=torch.tensor(cu, **i32), is_decode=False,
+        )
+        lora = LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),
+                         torch.tensor(slots, **i32), is_decode=False)
+        with torch.inference_mode():
+            hidden = model.forward(torch.tensor(ids), attn, kv, lora)
+            prefill = model.logits(hidden[torch.tensor(cu[1:]) - 1])
+            nxt_tokens = prefill.argmax(-1).tolist()
+            attn = AttentionBatch(
+                positions=torch.tensor(lens), slot_mapping=torch.tensor([flat(t, n) for t, n in zip(tables, lens)]),
+                block_tables=padded, context_lens=torch.tensor([n + 1 for n in lens], **i32),
+                cu_query_lens=torch.arange(len(rows) + 1, dtype=torch.int32), is_decode=True,
+            )
+            lora = LoraBatch(engine.lora_slots, torch.tensor(slots, **i32), torch.arange(len(rows) + 1, dtype=torch.int32),
+                             torch.tensor(slots, **i32), is_decode=True)
+            decode = model.logits(model.forward(torch.tensor(nxt_tokens), attn, kv, lora))
+        return prefill, nxt_tokens, decode
+    finally:
+        for n, s in zip(names, slots):
+            if n and s is not None:
+                engine.adapters.release(n, slot=s)
+
+
+# Two batches of three adapters each plus base rows; one adapter appears twice, apart, so
+# its rows are separate segments (SGMV) and interleaved rows (BGMV).
+LOGIT_BATCHES = [
+    [("Hello world", "attn-r4"), (SHARED, None), ("1, 2, 3, 4, 5, 6, 7, 8", "mlp-r8"),
+     (LONG, "all-r16"), (SHARED, "attn-r4")],
+    [(SHARED, "layers-r24"), ("def main():", "rslora-r32"), ("abc", None), (LONG, "all-r64"),
+     ("Hello world", "rslora-r32")],
+]
+
+
+def test_first_step_logits_match_peft(lora_family, arch):
+    family = lora_family(arch)
+    engine = make_engine(family)
+    worst = 0.0
+    for batch in LOGIT_BATCHES:
+        rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
+        prefill, nxt, decode = engine_logits(engine, rows)
+        for i, (ids, name) in enumerate(rows):
+            adapter_dir = family.adapters[name] if name else None
+            want = ref.first_logits(family.model_dir, adapter_dir, ids)
+            torch.testing.assert_close(prefill[i], want, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{name} prefill: {m}")
+            want_next = ref.first_logits(family.model_dir, adapter_dir, ids + [nxt[i]])
+            torch.testing.assert_close(decode[i], want_next, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{name} decode: {m}")
+            worst = max(worst, float((prefill[i] - want).abs().max()), float((decode[i] - want_next).abs().max()))
+            if name:  # the adapter moves the logits far beyond the tolerance
+                base = ref.first_logits(family.model_dir, None, ids)
+                assert float((want - base).abs().max()) > 1000 * LOGIT_ATOL, name
+    assert engine.adapters.pinned_count() == 0
+    assert engine.adapters.evictions >= 3  # the second batch displaced the first one's adapters
+    print(f"{arch}: max |engine - peft| logit difference {worst:.2e}")
+
+
+def test_adapter_specs_are_what_the_tests_claim(lora_family):
+    """The six adapters cover ranks 4..64 and the target-module mixes the scenario needs."""
+    family = lora_family("llama-gqa")
+    cfgs = {name: family.adapter_config(name) for name in family.adapters}
+    assert sorted(c["r"] for c in cfgs.values()) == [4, 8, 16, 24, 32, 64]
+    assert set(cfgs["attn-r4"]["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(cfgs["mlp-r8"]["target_modules"]) == {"gate_proj", "up_proj", "down_proj"}
+    assert len(cfgs["all-r64"]["target_modules"]) == 7
+    assert cfgs["layers-r24"]["layers_to_transform"] == [1, 3]
+    assert cfgs["rslora-r32"]["use_rslora"] is True
+    assert cfgs["all-r16"]["rank_pattern"] == {"k_proj": 4}
+    # The engine's view agrees: layers 0 and 2 untouched, k_proj at rank 4.
+    engine = make_engine(family)
+    slot = engine.adapters.acquire("layers-r24")
+    ranks = engine.lora_slots.ranks
+    assert [int(ranks[layer]["q_proj"][slot]) for layer in range(4)] == [0, 24, 0, 24]
+    assert [int(ranks[1][m][slot]) for m in ("k_proj", "gate_proj", "down_proj")] == [0, 0, 24]
+    slot16 = engine.adapters.acquire("all-r16")
+    assert [int(ranks[0][m][slot16]) for m in ("q_proj", "k_proj")] == [16, 4]
+    assert float(engine.lora_slots.scales[0]["down_proj"][slot16]) == pytest.approx(8 / 16)
