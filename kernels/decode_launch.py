@@ -46,8 +46,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    _check(q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim)
     q = q.contiguous()
+    _check(q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim)
     runner = runner or runner_for(q)
     group = num_q_heads // num_kv_heads
     qpb = queries_per_block(group)

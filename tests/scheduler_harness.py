@@ -1,0 +1,214 @@
+"""A Scheduler without a model, for exact scheduling tests.
+
+``FakeRunner`` keeps a model of what every KV slot holds: (namespace, every token up to
+and including that position), which is what real K/V depend on. Each step it applies the
+step's block copies in the runner's order (swap out, copy-on-write, swap in), asserts
+that every slot each scheduled sequence attends to holds that sequence's own history,
+writes the new slots (never one slot twice in a step), and samples a token that is a
+deterministic function of the sequence's tokens and sample index. So a wrong prefix hit,
+a missed or misordered copy, or a lost swap fails the step, and every sequence's output
+must equal ``reference_tokens``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+from loraplex.config import EngineConfig
+from loraplex.kv_cache import KVCacheManager, namespace_key
+from loraplex.model_runner import RunnerOutput
+from loraplex.request import Request, SamplingParams, Sequence, SeqStatus
+from loraplex.scheduler import Scheduler
+
+EOS = 2
+
+
+def next_token(tokens: list[int], index: int) -> int:
+    """The fake model: a deterministic token (never EOS) from the history and the sample index."""
+    h = index * 7919
+    for t in tokens[-8:]:
+        h = (h * 131 + t) % 1_000_003
+    return 3 + (h + len(tokens)) % 97
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, index: int = 0) -> list[int]:
+    """What sample `index` of a prompt must generate."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens, index))
+    return tokens[len(prompt):]
+
+
+class NullDetok:
+    """Detokenizer stand-in: no text, no stop strings."""
+
+    def update(self, token_ids, final=False):
+        return None
+
+
+class FakeAdapters:
+    """Device slots with pins and LRU eviction of unpinned adapters (AdapterManager's acquire/release contract)."""
+
+    def __init__(self, num_slots: int = 2) -> None:
+        self.num_slots = num_slots
+        self.resident: OrderedDict[str, list[int]] = OrderedDict()  # name -> [slot, pins]
+        self.loads: list[str] = []
+
+    def acquire(self, name: str) -> int | None:
+        rec = self.resident.get(name)
+        if rec is not None:
+            rec[1] += 1
+            self.resident.move_to_end(name)
+            return rec[0]
+        used = {r[0] for r in self.resident.values()}
+        free = [s for s in range(self.num_slots) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((n for n, r in self.resident.items() if r[1] == 0), None)
+            if victim is None:
+                return None
+            slot = self.resident.pop(victim)[0]
+        self.resident[name] = [slot, 1]
+        self.loads.append(name)
+        return slot
+
+    def release(self, name: str, slot: int | None = None) -> None:
+        rec = self.resident[name]
+        assert rec[1] > 0 and (slot is None or slot == rec[0]), (name, slot, rec)
+        rec[1] -= 1
+
+    def total_pins(self) -> int:
+        return sum(r[1] for r in self.resident.values())
+
+
+class FakeRunner:
+    """Block copies and KV writes on a model of slot contents; checks what each sequence reads."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
+        self.bs = block_size
+        self.content = [[None] * block_size for _ in range(num_blocks)]
+        self.host = [[None] * block_size for _ in range(num_host_blocks)]
+
+    def execute(self, batch) -> RunnerOutput:
+        bs = self.bs
+        for dev, host in batch.swap_out:
+            self.host[host] = list(self.content[dev])
+        for src, dst in batch.copy_pairs:
+            self.content[dst] = list(self.content[src])
+        for host, dev in batch.swap_in:
+            self.content[dev] = list(self.host[host])
+        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
+            assert len(table) * bs >= seq.num_computed_tokens + n, "block table too short"
+            for p in range(seq.num_computed_tokens):
+                held = self.content[table[p // bs]][p % bs]
+                assert held == (seq.namespace, tuple(seq.token_ids[: p + 1])), f"seq {seq.seq_id} reads wrong KV at {p}"
+        written = set()
+        rows = len(batch.seqs) + len(batch.forks)
+        out = RunnerOutput([None] * rows, [None] * rows, [None] * rows)
+        for i, (seq, n, table) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.block_tables)):
+            start = seq.num_computed_tokens
+            for p in range(start, start + n):
+                slot = (table[p // bs], p % bs)
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.content[slot[0]][slot[1]] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
+            if start + n == len(seq.token_ids):
+                out.token_ids[i], out.logprobs[i] = next_token(seq.token_ids, seq.index), -1.0
+        for j, (i, child) in enumerate(batch.forks):
+            parent = batch.seqs[i]
+            assert out.token_ids[i] is not None, "fork from a sequence that did not finish its prefill"
+            out.token_ids[len(batch.seqs) + j] = next_token(parent.token_ids, child.index)
+            out.logprobs[len(batch.seqs) + j] = -1.0
+        return out
+
+
+class Harness:
+    """Scheduler + KV manager + fake adapters + fake runner + a settable clock."""
+
+    def __init__(self, num_blocks: int = 16, block_size: int = 4, num_host_blocks: int = 0, adapter_slots: int = 2,
+                 **config) -> None:
+        config.setdefault("max_num_batched_tokens", 64)
+        self.config = EngineConfig(block_size=block_size, **config)
+        self.kv = KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.adapters = FakeAdapters(adapter_slots)
+        self.now = 0.0
+        self.sched = Scheduler(self.config, self.kv, self.adapters, {EOS}, 100_000,
+                               num_host_blocks=num_host_blocks, clock=lambda: self.now)
+        self.runner = FakeRunner(num_blocks, block_size, num_host_blocks)
+        self._ids = itertools.count()
+        self._tokens = itertools.count(1000)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.streamed: dict[tuple[str, int], list[int]] = {}  # (request, index) -> tokens as reported
+        self.finals: dict[tuple[str, int], int] = {}
+        self.reasons: dict[tuple[str, int], str] = {}
+        self.batches = []
+
+    def add(self, rid: str, prompt: int | list[int] = 6, max_tokens: int = 4, n: int = 1, priority: int = 0,
+            lora: str | None = None, tenant: str = "t", arrival: float | None = None, timeout: float | None = None,
+            ) -> list[Sequence]:
+        """Queue a request; an int prompt becomes that many fresh tokens (no accidental prefix hits)."""
+        tokens = [next(self._tokens) for _ in range(prompt)] if isinstance(prompt, int) else list(prompt)
+        params = SamplingParams(max_tokens=max_tokens, n=n, priority=priority, lora_name=lora, timeout=timeout,
+                                ignore_eos=True)
+        req = Request(rid, "", tokens, params, tenant, arrival_time=self.now if arrival is None else arrival)
+        seqs = []
+        for index in range(n):
+            seq = Sequence(next(self._ids), req, index, list(tokens), len(tokens))
+            seq.namespace = namespace_key(tenant, lora)
+            seq.detok = NullDetok()
+            seqs.append(seq)
+        seqs[0].forks = seqs[1:]
+        self.sched.add(seqs[0])
+        self.requests[rid] = seqs
+        return seqs
+
+    def step(self):
+        """One engine step; records what would be streamed; returns the SchedulerOutput."""
+        batch = self.sched.schedule()
+        self.batches.append(batch)
+        for seq in batch.finished:
+            self._report(seq)
+        if not batch.empty:
+            result = self.runner.execute(batch)
+            for seq in self.sched.update(batch, result):
+                self._report(seq)
+        self.kv.check_invariants()
+        self.sched.swap_space.check()
+        return batch
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until idle; returns the number of steps."""
+        for steps in range(max_steps):
+            if not self.sched.has_work():
+                return steps
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def _report(self, seq: Sequence) -> None:
+        key = (seq.request.request_id, seq.index)
+        new = seq.output_token_ids[seq.num_sent_tokens:]
+        seq.num_sent_tokens = seq.num_output_tokens
+        self.streamed.setdefault(key, []).extend(new)
+        if seq.status is SeqStatus.FINISHED:
+            self.finals[key] = self.finals.get(key, 0) + 1
+            self.reasons[key] = seq.finish_reason.value
+
+    def expected(self, rid: str, index: int = 0) -> list[int]:
+        """The reference output of one sample."""
+        seq = self.requests[rid][index]
+        return reference_tokens(seq.request.prompt_token_ids, seq.request.params.max_tokens, index)
+
+    def assert_idle_and_clean(self) -> None:
+        """Everything finished once, every block and host block free, no adapter pinned."""
+        assert not self.sched.has_work()
+        assert self.kv.usage()["used"] == 0 and self.kv.num_free_blocks == self.kv.num_blocks
+        self.sched.swap_space.flush()
+        assert self.sched.swap_space.num_free == self.sched.swap_space.num_blocks
+        assert self.adapters.total_pins() == 0
+        assert self.sched.num_new_waiting == 0
+        for rid, seqs in self.requests.items():
+            for seq in seqs:
+                assert seq.status is SeqStatus.FINISHED, (rid, seq.index, seq.status)
+                assert self.finals.get((rid, seq.index)) == 1, (rid, seq.index)
