@@ -2,9 +2,9 @@
 
 ``FakeRunner`` keeps a model of what every KV slot holds: (namespace, every token up to
 and including that position), which is what real K/V depend on. Each step it applies the
-step's block copies in the runner's order (swap out, copy-on-write, swap in), asserts
-that every slot each scheduled sequence attends to holds that sequence's own history,
-writes the new slots (never one slot twice in a step), and samples a token that is a
+step's block copies in the runner's order (swap out, copy-on-write, swap in),
+writes the new slots (never one slot twice in a step), asserts that every slot each
+scheduled sequence attends to holds that sequence's own history, and samples a token that is a
 deterministic function of the sequence's tokens and sample index. So a wrong prefix hit,
 a missed or misordered copy, or a lost swap fails the step, and every sequence's output
 must equal ``reference_tokens``.
@@ -99,11 +99,6 @@ class FakeRunner:
             self.content[dst] = list(self.content[src])
         for host, dev in batch.swap_in:
             self.content[dev] = list(self.host[host])
-        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
-            assert len(table) * bs >= seq.num_computed_tokens + n, "block table too short"
-            for p in range(seq.num_computed_tokens):
-                held = self.content[table[p // bs]][p % bs]
-                assert held == (seq.namespace, tuple(seq.token_ids[: p + 1])), f"seq {seq.seq_id} reads wrong KV at {p}"
         written = set()
         rows = len(batch.seqs) + len(batch.forks)
         out = RunnerOutput([None] * rows, [None] * rows, [None] * rows)
@@ -114,6 +109,12 @@ class FakeRunner:
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
                 self.content[slot[0]][slot[1]] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
+        for i, (seq, n, table) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.block_tables)):
+            start = seq.num_computed_tokens
+            assert len(table) * bs >= start + n, "block table too short"
+            for p in range(start + n):  # what attention reads, after every write of the step
+                held = self.content[table[p // bs]][p % bs]
+                assert held == (seq.namespace, tuple(seq.token_ids[: p + 1])), f"seq {seq.seq_id} reads wrong KV at {p}"
             if start + n == len(seq.token_ids):
                 out.token_ids[i], out.logprobs[i] = next_token(seq.token_ids, seq.index), -1.0
         for j, (i, child) in enumerate(batch.forks):

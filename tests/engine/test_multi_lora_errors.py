@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -244,8 +245,10 @@ def test_loop_thread_survives_adapter_broken_while_waiting(lora_family, tmp_path
     try:
         reqs["r4"] = engine.make_request("r4", "Hello world", _greedy(5, "z"))
         engine.add_request(reqs["r4"])
-        finished = done.wait(60)
-        alive = engine._thread.is_alive()
+        deadline = time.monotonic() + 60
+        while not done.wait(0.05) and engine._thread.is_alive() and time.monotonic() < deadline:
+            pass
+        finished, alive = done.is_set(), engine._thread.is_alive()
     finally:
         engine.stop()
     assert alive, "the engine loop thread died"
