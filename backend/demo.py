@@ -144,6 +144,9 @@ def build_tiny_llama(out_dir: str | os.PathLike, *, seed: int = 0, lm_head_scale
     model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(lm_head_scale)
+        for name, param in model.named_parameters():  # HF zero-inits biases (Qwen2 q/k/v): make them count
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False,
         max_new_tokens=16,

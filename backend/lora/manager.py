@@ -106,6 +106,8 @@ class AdapterManager:
         rec = self._resident.get(name)
         if rec is not None and not rec.stale:
             return self._pin(rec)
+        if rec is None and not self._slot_available():
+            return None  # waiting for a slot must not re-read the adapter every step
         adapter = self._host_get(name)
         if rec is not None:
             if rec.digest == adapter.digest:
@@ -193,6 +195,9 @@ class AdapterManager:
                 self._host.popitem(last=False)
                 self.host_evictions += 1
         return adapter
+
+    def _slot_available(self) -> bool:
+        return bool(self._free) or any(r.pins == 0 for r in self._resident.values())
 
     def _take_slot(self) -> int | None:
         if self._free:

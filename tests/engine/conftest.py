@@ -126,6 +126,6 @@ def lora_family(tmp_path_factory):
 
 
 @pytest.fixture(params=list(ARCHS))
-def arch(request) -> str:
-    """Each architecture of ARCHS in turn (a test taking ``arch`` runs once per architecture)."""
+def lora_arch(request) -> str:
+    """Each architecture of ARCHS in turn (a test taking ``lora_arch`` runs once per architecture)."""
     return request.param

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from peft_reference import greedy_tokens, reference_model
+from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
 from loraplex.engine import LLMEngine
@@ -31,15 +31,19 @@ ADAPTERS = [None, "demo-a", None, "demo-b", None, "demo-a", None, None]
 MAX_TOKENS = 40
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread: on a busy 2-core machine, spinning OpenMP workers make a 7 ms step take ~1 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=None)
 def reference_ignore_eos(model_dir: str, adapter_dir: str | None, prompt_ids: tuple, max_new_tokens: int) -> list[int]:
-    """Greedy tokens from transformers (+ peft) that do not stop at EOS (the engine's ignore_eos)."""
-    model = reference_model(model_dir, adapter_dir)
-    ids = torch.tensor([list(prompt_ids)])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt_ids):].tolist()
+    """Greedy tokens from transformers (+ peft) that do not stop at EOS (the engine's ignore_eos); cached."""
+    return greedy_tokens(model_dir, adapter_dir, list(prompt_ids), max_new_tokens, ignore_eos=True)
 
 
 def make_engine(demo, **config) -> LLMEngine:
@@ -107,17 +111,17 @@ def test_forced_preemption_streams_equal_peft(demo, mode, policy):
 
 
 def test_admission_cap_drops_under_sustained_pressure_and_recovers(demo):
-    engine = make_engine(demo, num_kv_blocks=12, max_num_seqs=8, preemption_window_steps=4, preemption_threshold=1,
+    # 12 short prompts all fit at first (one block each), then grow together in 16 blocks
+    engine = make_engine(demo, num_kv_blocks=16, max_num_seqs=16, preemption_window_steps=8, preemption_threshold=2,
                          victim_policy="longest_first")
     caps = []
-    requests = [engine.make_request(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    requests = [engine.make_request(f"r{i}", f"grow {i}", greedy()) for i in range(12)]
     outputs = run(engine, requests, on_step=lambda e: caps.append(e.scheduler.cap.value))
-    assert engine.scheduler.cap.num_lowered >= 1 and min(caps) <= 4
+    # with ignore_eos the schedule depends only on lengths, so the trace is exact: the cap halves
+    # (16 -> 6, later 12 -> 4), doubles after each 8 quiet steps, and is back at 16 by the end
+    assert caps == [16] * 10 + [6] * 8 + [12] * 8 + [4] * 8 + [8] * 8 + [16] * 42
+    assert (engine.scheduler.num_preemptions, engine.scheduler.cap.num_lowered) == (7, 2)
     assert_streams(engine, demo, requests, outputs)
-    calm = [engine.make_request(f"calm{i}", "calm", greedy(max_tokens=4)) for i in range(8)]
-    for r in calm:  # one short request at a time: no preemption, the cap climbs back
-        run(engine, [r])
-    assert engine.scheduler.cap.value == 8 and engine.scheduler.cap.num_raised >= 1
     assert_pool_idle(engine)
 
 
@@ -144,7 +148,7 @@ def test_greedy_n3_gives_three_identical_streams_and_shares_the_prompt_blocks(de
     assert len(request.prompt_token_ids) == 57
     peak, outputs = _peak_used_blocks(engine, [request])
     samples = _by_index(outputs["n3"])
-    expected = greedy_tokens(str(demo["model"]), None, request.prompt_token_ids, 6)
+    expected = reference_ignore_eos(str(demo["model"]), None, tuple(request.prompt_token_ids), 6)
     assert samples == {0: expected, 1: expected, 2: expected}
     assert [o.finished for o in outputs["n3"]].count(True) == 3  # one final per sample; the responder sends one FINAL
     # three full prompt blocks shared, the partly filled 4th copied for two of the samples
@@ -191,7 +195,8 @@ def test_timeout_ends_with_finish_reason_timeout_and_frees_blocks(demo):
     assert t[-1].error is None and t[-1].token_ids == []
     expected = reference_ignore_eos(str(demo["model"]), None, tuple(timed.prompt_token_ids), 3)
     assert sum((o.token_ids for o in t), []) == expected  # steps at t = 1, 2, 3; expired at 4
-    assert d[-1].finish_reason == "timeout" and len(sum((o.token_ids for o in d), [])) == 5  # t = 1..5; 105 > 100
+    # steps at t = 1, 2, 3, 4, 5, 55 each add a token; at t = 105 the 100 s default has passed
+    assert d[-1].finish_reason == "timeout" and len(sum((o.token_ids for o in d), [])) == 6
     assert_pool_idle(engine)
 
 
@@ -253,4 +258,22 @@ def test_requests_wait_for_an_adapter_slot_and_resident_adapters_go_first(demo):
         adapter = str(demo[r.params.lora_name]) if r.params.lora_name else None
         expected = reference_ignore_eos(str(demo["model"]), adapter, tuple(r.prompt_token_ids), m)
         assert sum((o.token_ids for o in outputs[r.request_id]), []) == expected
+    assert_pool_idle(engine)
+
+
+# ---------------------------------------------------------------- prefix cache scope
+
+
+@pytest.mark.parametrize("scope, other_tenant_hit", [("tenant", 0), ("global", 48)])
+def test_prefix_cache_scope(demo, scope, other_tenant_hit):
+    engine = make_engine(demo, prefix_cache_scope=scope)
+    prompt = "Shared system prompt for every tenant of the deployment."  # 57 tokens: 3 full blocks
+    tenants = ["acme", "acme", "globex"]
+    requests = [engine.make_request(f"r{i}", prompt, greedy(max_tokens=2), tenant=t) for i, t in enumerate(tenants)]
+    for r in requests:  # one after another: each finds what the previous computed
+        assert_streams(engine, demo, [r], run(engine, [r]), max_tokens=2)
+    sched = engine.scheduler
+    assert sched.prefix_query_tokens == {"acme": 114, "globex": 57}
+    # 57 prompt tokens: the 3 full blocks (48 tokens) can hit; the partial 4th block is computed
+    assert sched.prefix_hit_tokens == {"acme": 48, "globex": other_tenant_hit}
     assert_pool_idle(engine)
