@@ -28,6 +28,17 @@ triton_server = make_triton_server_fixture(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The peft reference in this process: one intra-op thread (spinning workers are slow on a busy machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(demo):
     from transformers import AutoTokenizer
@@ -36,9 +47,10 @@ def tokenizer(demo):
 
 
 def _idle(server) -> None:
+    for state in ("waiting", "running", "swapped"):
+        assert wait_for_metric(server, "loraplex_num_sequences", 0.0, state=state) == 0.0, state
     assert wait_for_metric(server, "loraplex_kv_cache_blocks", float(NUM_BLOCKS), state="free") == NUM_BLOCKS
     assert scrape(server, "loraplex_kv_cache_blocks", state="used") == 0.0
-    assert wait_for_metric(server, "loraplex_num_sequences", 0.0, state="swapped") == 0.0
 
 
 def test_preempted_streams_equal_peft_and_end_once(triton_server, demo, tokenizer):
@@ -136,10 +148,14 @@ def test_over_max_waiting_requests_is_unavailable_over_http(triton_server):
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        for i in range(30):  # 250 tokens each: the queue stays full for hundreds of steps
-            client.async_stream_infer("lora_llm", build_inputs(grpcclient, LONG_PROMPT,
-                                                               {"max_tokens": 250, "ignore_eos": True}))
-        while results.get(timeout=120)[1] is None:  # the first refusal: the queue is full now
+        # each request may need 22 of the 24 blocks: once the first runs (for 150 steps) nothing
+        # else can start, so after the first refusal the queue stays full while the HTTP request arrives
+        inputs = build_inputs(grpcclient, "x" * 199, {"max_tokens": 150, "ignore_eos": True})
+        client.async_stream_infer("lora_llm", inputs)
+        assert results.get(timeout=120)[1] is None  # its first token: it runs
+        for i in range(30):
+            client.async_stream_infer("lora_llm", inputs)
+        while results.get(timeout=120)[1] is None:
             pass
         r = http_generate(triton_server, {"text_input": "one more", "parameters": {"max_tokens": 2}})
         # the response carries TritonError.UNAVAILABLE; Triton 2.51's generate endpoint answers an error
