@@ -181,7 +181,7 @@ class LLMEngine:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch.finished:
-            outputs += [self._make_output(seq) for seq in batch.finished]
+            outputs += self._finished_while_scheduling(batch.finished)
         if batch.empty:
             return outputs
         result = self.runner.execute(batch)
@@ -259,6 +259,19 @@ class LLMEngine:
             num_input_tokens=seq.num_prompt_tokens,
         )
 
+    def _finished_while_scheduling(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Outputs of sequences the scheduler ended: timeouts end normally; a failed request gets one error."""
+        outputs, failed = [], set()
+        for seq in seqs:
+            request_id = seq.request.request_id
+            if seq.error is not None:
+                failed.add(request_id)
+                self._requests.pop(request_id, None)
+                outputs.append(RequestOutput(request_id, 0, "", [], True, error=seq.error))
+            elif request_id not in failed:
+                outputs.append(self._make_output(seq))
+        return outputs
+
     def _all_finished(self, seq: Sequence) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))
 
@@ -284,7 +297,10 @@ class LLMEngine:
         for request_id in list(self._requests):
             for seq in self._requests.pop(request_id):
                 if seq.status is not SeqStatus.FINISHED:
-                    self.scheduler.remove(seq, FinishReason.ABORT)
+                    try:
+                        self.scheduler.remove(seq, FinishReason.ABORT)
+                    except Exception:  # noqa: BLE001 - never let cleanup kill the loop thread
+                        log.exception("could not remove sequence %s of request %s", seq.seq_id, request_id)
             outputs.append(RequestOutput(request_id, 0, "", [], True, error=exc))
         return outputs
 

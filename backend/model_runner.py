@@ -13,7 +13,7 @@ from .sampler import sample, token_logprobs
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Per scheduled sequence, then per fork child: the sampled token (None mid-prefill), its logprob and top candidates."""
+    """Per scheduled sequence, then per fork child: sampled token (None mid-prefill), its logprob, top candidates."""
 
     token_ids: list[int | None]
     logprobs: list[float | None]

@@ -208,6 +208,7 @@ class Sequence:
     host_blocks: list[int] = field(default_factory=list)  # swap-space blocks while SWAPPED
     adapter_skips: int = 0  # steps skipped at admission for want of an adapter slot
     first_scheduled_time: float | None = None  # when it first ran (None: never started)
+    error: Exception | None = None  # why the scheduler failed it (its adapter broke): an error output
 
     @property
     def num_output_tokens(self) -> int:

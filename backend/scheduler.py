@@ -41,7 +41,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout)
+    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout; seq.error: failed)
 
     @property
     def empty(self) -> bool:
@@ -93,7 +93,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def remove(self, seq: Sequence, reason: FinishReason) -> list[Sequence]:
-        """End a sequence (and its unforked samples) from any state, freeing blocks and pins at once; returns those ended."""
+        """End a sequence (and its unforked samples) from any state, freeing blocks and pins; returns those ended."""
         status = seq.status
         if status is SeqStatus.FINISHED:
             return []
@@ -177,8 +177,13 @@ class Scheduler:
                 break
             n = min(seq.num_tokens_to_compute, budget)
             need = -(-(seq.num_computed_tokens + n) // bs)
-            if kv.num_free_blocks - need < self.watermark_blocks or not self._acquire_adapter(seq):
+            if kv.num_free_blocks - need < self.watermark_blocks:
                 break
+            if not self._acquire_adapter(seq):
+                if seq.error is None:
+                    break
+                out.finished += self.remove(seq, FinishReason.ABORT)  # its adapter broke: fail it alone
+                continue
             self.swapped.popleft()
             kv.allocate(seq.seq_id, 0, seq.num_computed_tokens)
             out.swap_in += zip(seq.host_blocks, kv.block_table(seq.seq_id))
@@ -195,38 +200,46 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in queue order; stop at the first that does not fit (KV, cap, budget)."""
         kv = self.kv
-        popped: list[Sequence] = []
-        while self.waiting and budget > 0:
-            seq = self.waiting.pop()
-            popped.append(seq)
-            if not self._fits_cap(seq):
-                break
-            if not self._acquire_adapter(seq):
-                seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
-                if seq.adapter_skips > self.config.max_adapter_wait_steps:
-                    break  # waited long enough: nothing behind it is admitted until it gets a slot
-                continue
-            cached, num_cached = kv.find_cached_prefix(seq.token_ids, seq.namespace)
-            n = min(len(seq.token_ids) - num_cached, budget)
-            need = kv.blocks_needed(seq.seq_id, num_cached, n, cached)
-            if kv.num_free_blocks - need < self.watermark_blocks or not kv.allocate(seq.seq_id, num_cached, n, cached):
-                self._release_adapter(seq)
-                break
-            popped.pop()
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = self.clock()
-                self.num_new_waiting -= 1
-                self._count_prefix(seq, num_cached)
-            seq.num_computed_tokens = num_cached
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            self._emit(out, seq, n)
-            budget -= n
-        if popped:
-            self.waiting.unpop(popped)
+        popped: list[Sequence] = []  # taken from the queue and not admitted: put back, whatever happens
+        try:
+            while self.waiting and budget > 0:
+                seq = self.waiting.pop()
+                popped.append(seq)
+                if not self._fits_cap(seq):
+                    break
+                if not self._acquire_adapter(seq):
+                    if seq.error is not None:  # its adapter broke since it was queued: fail it alone
+                        self.waiting.unpop([popped.pop()])
+                        out.finished += self.remove(seq, FinishReason.ABORT)
+                        continue
+                    seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
+                    if seq.adapter_skips > self.config.max_adapter_wait_steps:
+                        break  # waited long enough: nothing behind it is admitted until it gets a slot
+                    continue
+                cached, num_cached = kv.find_cached_prefix(seq.token_ids, seq.namespace)
+                n = min(len(seq.token_ids) - num_cached, budget)
+                need = kv.blocks_needed(seq.seq_id, num_cached, n, cached)
+                if kv.num_free_blocks - need < self.watermark_blocks or not kv.allocate(
+                    seq.seq_id, num_cached, n, cached
+                ):
+                    self._release_adapter(seq)
+                    break
+                popped.pop()
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = self.clock()
+                    self.num_new_waiting -= 1
+                    self._count_prefix(seq, num_cached)
+                seq.num_computed_tokens = num_cached
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                self._emit(out, seq, n)
+                budget -= n
+        finally:
+            if popped:
+                self.waiting.unpop(popped)
 
     def _fits_cap(self, seq: Sequence) -> bool:
-        """Room under max_num_seqs and the admission cap for the seq and its unforked samples (an empty batch always has room)."""
+        """Room under max_num_seqs and the admission cap for the seq and its unforked samples (an empty batch has room)."""
         if not self.running:
             return True
         return len(self.running) + 1 + len(seq.forks) <= min(self.config.max_num_seqs, self.cap.value)
@@ -254,13 +267,20 @@ class Scheduler:
         self.prefix_hit_tokens[tenant] = self.prefix_hit_tokens.get(tenant, 0) + num_cached
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Pin the adapter once for the seq and once for each unforked sample; all or nothing."""
+        """Pin the adapter once for the seq and once for each unforked sample; all or nothing.
+
+        False when every slot is pinned by other adapters, or when loading the adapter
+        failed (it changed or broke on disk since the request was queued): then seq.error says why.
+        """
         name = seq.request.params.lora_name
         if not name:
             return True
         group = [seq, *seq.forks]
         for i, s in enumerate(group):
-            slot = self.adapters.acquire(name)
+            try:
+                slot = self.adapters.acquire(name)
+            except Exception as exc:  # noqa: BLE001 - any load failure fails this request, not the step
+                seq.error, slot = exc, None
             if slot is None:
                 for t in group[:i]:
                     self._release_adapter_of(t)
@@ -304,7 +324,7 @@ class Scheduler:
 
     # ---- after the model ran ---------------------------------------------------------
     def update(self, batch: SchedulerOutput, result) -> list[Sequence]:
-        """Append sampled tokens, fork samples, check completion, free finished sequences; returns those that changed."""
+        """Append sampled tokens, fork samples, check completion, free finished sequences; returns the changed ones."""
         changed: list[Sequence] = []
         forks_at: dict[int, list] = {}
         base = len(batch.seqs)

@@ -54,8 +54,11 @@ class FakeAdapters:
         self.num_slots = num_slots
         self.resident: OrderedDict[str, list[int]] = OrderedDict()  # name -> [slot, pins]
         self.loads: list[str] = []
+        self.broken: set[str] = set()  # acquire() raises for these (re-read from disk and found broken)
 
     def acquire(self, name: str) -> int | None:
+        if name in self.broken:
+            raise ValueError(f"adapter {name!r} is broken on disk")
         rec = self.resident.get(name)
         if rec is not None:
             rec[1] += 1

@@ -176,7 +176,7 @@ class KVCacheManager:
         return pairs
 
     def free(self, seq_id: SeqId) -> None:
-        """Release the seq's blocks, tail first (tail blocks are evicted before a shared prefix); unknown seq is a no-op.
+        """Release the seq's blocks, tail first (evicted before a shared prefix); an unknown seq is a no-op.
 
         Pending copy-on-write pairs into its blocks are dropped: nobody will read them.
         """

@@ -63,7 +63,8 @@ def test_cancelled_request_returns_the_free_count_to_idle(triton_server):
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)), headers={"x-tenant-id": "c"})
-    client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True}))
+    inputs = build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True})
+    client.async_stream_infer("lora_llm", inputs)
     try:
         result, error = results.get(timeout=60)
         assert error is None

@@ -242,7 +242,8 @@ def test_requests_that_can_never_run_are_refused(demo):
 def test_requests_wait_for_an_adapter_slot_and_resident_adapters_go_first(demo):
     engine = make_engine(demo, max_loras=1)
     jobs = [("a1", "demo-a", 12), ("b1", "demo-b", 4), ("a2", "demo-a", 4), ("base", None, 4)]
-    requests = [engine.make_request(rid, f"Adapter {rid}", greedy(max_tokens=m, lora_name=lora)) for rid, lora, m in jobs]
+    requests = [engine.make_request(rid, f"Adapter {rid}", greedy(max_tokens=m, lora_name=lora))
+                for rid, lora, m in jobs]
     first_step: dict = {}
     step = [0]
 

@@ -353,6 +353,38 @@ def test_adapter_wait_is_bounded_then_blocks_later_admissions():
     h.assert_idle_and_clean()
 
 
+def test_an_adapter_that_breaks_while_its_request_waits_fails_only_that_request():
+    h = Harness(num_blocks=64, block_size=4, adapter_slots=1)
+    h.add("a1", 3, max_tokens=3, lora="A")
+    b1, b1_1 = h.add("b1", 3, max_tokens=2, lora="B", n=2)
+    h.add("a2", 3, max_tokens=2, lora="A")
+    h.step()
+    h.adapters.broken.add("B")
+    failed = []
+    while h.sched.has_work():
+        failed += [(s.request.request_id, s.index) for s in h.step().finished]
+    assert failed == [("b1", 0), ("b1", 1)]  # once A's slot freed and B was loaded
+    assert str(b1.error) == "adapter 'B' is broken on disk" and b1_1.error is None
+    assert h.reasons[("b1", 0)] == "abort" and h.streamed[("b1", 0)] == []
+    h.assert_idle_and_clean()
+    assert h.streamed[("a1", 0)] == h.expected("a1") and h.streamed[("a2", 0)] == h.expected("a2")
+
+
+def test_an_adapter_that_breaks_while_swapped_out_fails_only_that_request():
+    h = _fork_parent_preempted("swap")
+    h.step()
+    g = h.requests["g"][0]
+    assert g.status is SeqStatus.SWAPPED
+    h.adapters.broken.add("A")
+    batch = h.step()
+    assert [(s.request.request_id, s.index) for s in batch.finished] == [("g", 0), ("g", 1)]
+    assert batch.swap_in == [] and str(g.error) == "adapter 'A' is broken on disk"
+    h.run()
+    h.sched.swap_space.flush()
+    assert h.sched.swap_space.num_free == 8 and h.streamed[("w", 0)] == h.expected("w")
+    h.assert_idle_and_clean()
+
+
 # ---------------------------------------------------------------- forks (n > 1)
 
 
