@@ -92,6 +92,7 @@ def make_triton_server_fixture(
             store = Path(adapter_store)
         store.mkdir(parents=True, exist_ok=True)
         server_env = engine_env(model_dir if model_dir is not None else demo["model"], store, engine_config)
+        server_env["OMP_NUM_THREADS"] = "1"  # tests share 2 cores with pytest itself: no spinning intra-op threads
         server_env.update(env or {})
         server = TritonServer(
             model_repository=repo, env=server_env, log_path=tmp / "tritonserver.log",

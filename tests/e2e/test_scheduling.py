@@ -24,7 +24,6 @@ triton_server = make_triton_server_fixture(
         "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 8, "max_waiting_requests": MAX_WAITING,
         "preemption_mode": "swap", "swap_space_bytes": 8 * 32 * 1024, "victim_policy": "longest_first",
     },
-    env={"OMP_NUM_THREADS": "1"},  # a busy 2-core machine: spinning intra-op threads slow every step
 )
 
 
