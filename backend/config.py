@@ -41,7 +41,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
-    seed: int = 0
+    seed: int = 0  # seeds the global RNG used by requests without their own `seed`
 
     def __post_init__(self) -> None:
         checks = [

@@ -64,6 +64,7 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per server start
         hf_config = AutoConfig.from_pretrained(config.model_dir, local_files_only=True)
         self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
