@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -22,7 +21,8 @@ from .lora.slots import LoraSlots
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel
 from .request import (
-    EngineOverloaded, FinishReason, InvalidRequest, Request, RequestOutput, SamplingParams, Sequence, SeqStatus,
+    EngineOverloaded, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput, SamplingParams,
+    Sequence, SeqStatus,
 )
 from .sampler import make_generator
 from .scheduler import Scheduler
@@ -38,10 +38,6 @@ def store_adapters(store: str) -> dict[str, str]:
     if root is None or not root.is_dir():
         return {}
     return {p.name: str(p) for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}
-
-
-class RequestCancelled(Exception):
-    """The client cancelled the request."""
 
 
 def resolve_device_dtype(config: EngineConfig, checkpoint_dtype) -> tuple[torch.device, torch.dtype]:
@@ -246,8 +242,8 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
-        if finished:
-            self._requests.pop(seq.request.request_id, None) if self._all_finished(seq) else None
+        if finished and self._all_finished(seq):
+            self._requests.pop(seq.request.request_id, None)
         return RequestOutput(
             request_id=seq.request.request_id,
             index=seq.index,

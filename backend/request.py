@@ -13,6 +13,10 @@ class InvalidRequest(ValueError):
     """Bad client input: becomes an INVALID_ARG error response."""
 
 
+class RequestCancelled(Exception):
+    """The client cancelled the request: becomes a CANCELLED error response."""
+
+
 class EngineOverloaded(RuntimeError):
     """Too many requests waiting (max_waiting_requests): becomes an UNAVAILABLE error response."""
 

@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import sys
-import textwrap
 import time
 from pathlib import Path
 

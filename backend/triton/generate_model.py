@@ -12,9 +12,9 @@ import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
-from ..lora.manager import AdapterNotFound
 from ..metrics import TritonMetrics
-from ..request import EngineOverloaded, InvalidRequest
+from ..request import EngineOverloaded
+from .errors import error_code
 from .parsing import parse_generate_input
 from .responder import Responder
 
@@ -73,15 +73,10 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._enqueue(request, sender)
-            except InvalidRequest as exc:
-                self.responder.send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-            except EngineOverloaded as exc:
-                self.responder.send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
-            except AdapterNotFound as exc:
-                self.responder.send_error(sender, exc.args[0] if exc.args else str(exc), pb_utils.TritonError.NOT_FOUND)
-            except Exception as exc:  # a bug must still end the request
-                log.exception("request failed before it was queued")
-                self.responder.send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+            except Exception as exc:  # every request ends with exactly one final response
+                if error_code(pb_utils, exc) == pb_utils.TritonError.INTERNAL:
+                    log.exception("request failed before it was queued")
+                self.responder.send_exception(sender, exc)
         return None
 
     def _enqueue(self, request, sender) -> None:

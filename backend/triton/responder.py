@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import error_code, error_message
+
 log = logging.getLogger("loraplex.responder")
 
 CANCEL_POLL_SECONDS = 0.02
@@ -129,7 +131,7 @@ class Responder:
             with self.lock:
                 self.pending.pop(out.request_id, None)
             touched.pop(out.request_id, None)
-            self._send_exception(p.sender, out.error)
+            self.send_exception(p.sender, out.error)
             return
         i = out.index
         p.texts[i] += out.text
@@ -193,13 +195,10 @@ class Responder:
             result.append(item)
         return result
 
-    def _send_exception(self, sender, exc: Exception) -> None:
-        from ..engine import RequestCancelled
-
-        codes = self.pb.TritonError
-        code = codes.CANCELLED if isinstance(exc, RequestCancelled) else codes.INTERNAL
+    def send_exception(self, sender, exc: Exception) -> None:
+        """An error response for an exception, with the code errors.error_code picks, and the FINAL flag."""
         try:
-            self.send_error(sender, str(exc) or type(exc).__name__, code)
+            self.send_error(sender, error_message(exc), error_code(self.pb, exc))
         except Exception:
             log.exception("could not send error response")
 

@@ -1,0 +1,29 @@
+"""Which Triton error code each engine exception becomes."""
+
+from __future__ import annotations
+
+from ..lora.adapter import AdapterError
+from ..lora.manager import AdapterNotFound
+from ..request import EngineOverloaded, InvalidRequest, RequestCancelled
+
+
+def error_code(pb_utils, exc: Exception):
+    """INVALID_ARG for bad input or a bad adapter, NOT_FOUND, UNAVAILABLE, CANCELLED; else INTERNAL."""
+    codes = pb_utils.TritonError
+    for kind, code in (
+        (InvalidRequest, codes.INVALID_ARG),
+        (AdapterError, codes.INVALID_ARG),
+        (AdapterNotFound, codes.NOT_FOUND),
+        (EngineOverloaded, codes.UNAVAILABLE),
+        (RequestCancelled, codes.CANCELLED),
+    ):
+        if isinstance(exc, kind):
+            return code
+    return codes.INTERNAL
+
+
+def error_message(exc: Exception) -> str:
+    """The client-facing message (KeyError subclasses would otherwise be quoted)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
