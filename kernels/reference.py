@@ -6,63 +6,131 @@ Shapes (T tokens, B sequences, S adapter slots, R max rank, Hq/Hkv heads, D head
   including the new ones); cu_query_lens int32 [B+1] (new tokens per sequence, prefix sums).
   LoRA stacks of one module: a_stack [S, R, H_in], b_stack [S, H_out, R]; ranks int32 [S];
   scales float32 [S]; token_slots int32 [T] (-1 = no adapter).
-  Segments for prefill (SGMV): seg_starts int32 [G+1], seg_slots int32 [G]; tokens of
-  segment g are rows seg_starts[g]:seg_starts[g+1], all with adapter seg_slots[g].
+  Segments for prefill (SGMV): seg_starts int32 [G+1] (non-decreasing), seg_slots int32 [G];
+  tokens of segment g are rows seg_starts[g]:seg_starts[g+1], all with adapter seg_slots[g].
+
+Everything accumulates in fp32 and is returned in the input dtype. The functions are
+vectorized: no Python loop per sequence or per adapter slot, only over a few groups (distinct
+LoRA ranks, KV heads, padded chunks of sequences). Values that must not be read never reach a
+result, even when they are NaN (NaN * 0 is NaN, so masking by multiplication is not enough):
+  - LoRA: rows are grouped by (rank, slot) into tiles and A[:, :rank] / B[:, :, :rank] are
+    sliced, so entries at or beyond a slot's rank are never read. Rows without an adapter
+    (slot -1, or rank 0 for this module) are in no tile: their shrink output is exactly zero
+    and expand leaves them untouched. What tile padding computes is dropped.
+  - Attention: block-table entries past a context are not followed, and gathered K/V rows at
+    positions >= the context length are overwritten with zeros before any arithmetic; keys
+    beyond a query's position get an additive -inf score.
 """
 
 from __future__ import annotations
 
 import torch
 
+# ---------------------------------------------------------------------------------------------
+# LoRA: BGMV (one adapter slot per token) and SGMV (one per contiguous segment of tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+def _adapter_tiles(token_slots, ranks):
+    """The rows that use an adapter, as tiles of rows of one slot, grouped by rank.
+
+    Returns [(rank, tile_slots int64 [n], tile_rows int64 [n, size])], one entry per distinct
+    rank > 0 among the slots in use. Every row whose slot is >= 0 and has rank > 0 is in exactly
+    one tile; other rows are in none (they get nothing). Unused tile entries hold T (padding:
+    callers drop what it computes). size is the mean number of rows per run of equal slots, so
+    a batched matmul over the tiles does at most about twice the useful work even when one
+    adapter owns most rows (a prefill chunk next to decodes). Grouping by rank lets the callers
+    slice A[:, :rank] and B[:, :, :rank]: entries at or beyond a slot's rank are never read.
+    """
+    dev = token_slots.device
+    num_rows, num_slots = token_slots.shape[0], ranks.shape[0]
+    slots = token_slots.long()
+    rank = ranks.to(dev).long().index_select(0, slots.clamp(min=0))
+    # sort the rows by (rank, slot): each adapter's rows become one run, runs of equal rank are
+    # adjacent; rows without an adapter get key -1 (a run of rank -1, skipped below)
+    key, rows = torch.sort(torch.where(slots >= 0, rank * num_slots + slots, -1), stable=True)
+    pos = torch.arange(num_rows, device=dev) - torch.searchsorted(key, key)  # index within the run
+    num_runs = int((pos == 0).sum())
+    if num_runs == 0:
+        return []
+    size = -(-num_rows // num_runs)
+    in_tile = pos % size  # runs are cut into tiles of size rows
+    first_in_tile = in_tile == 0
+    tile = first_in_tile.cumsum(0) - 1  # the tile of each row
+    tile_rows = torch.full((int(tile[-1]) + 1, size), num_rows, dtype=torch.long, device=dev)
+    tile_rows.view(-1).index_copy_(0, tile * size + in_tile, rows)
+    tile_key = key.masked_select(first_in_tile)
+    tile_rank, tile_slots = tile_key // num_slots, tile_key % num_slots
+    groups, first = [], 0
+    for rank, count in zip(*(t.tolist() for t in torch.unique_consecutive(tile_rank, return_counts=True))):
+        if rank > 0:  # rank 0: the adapter does not adapt this module; -1: no adapter
+            groups.append((rank, tile_slots[first : first + count], tile_rows[first : first + count]))
+        first += count
+    return groups
+
+
+def _gather_tiles(rows, tile_rows):
+    """rows [T, K] gathered into tiles [n, size, K] in fp32; padding entries (index T) read row 0.
+
+    What padding entries compute is never used: it goes to a scratch row or is filtered out.
+    """
+    index = tile_rows.clamp(max=rows.shape[0] - 1).flatten()
+    return rows.index_select(0, index).view(*tile_rows.shape, rows.shape[1]).float()
+
 
 def lora_shrink_bgmv(x, a_stack, token_slots, ranks):
     """Per-row gather shrink: out[t, :rank] = x[t] @ A[slot[t], :rank].T; zeros elsewhere."""
-    out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
-        r = int(ranks[slot])
-        out[rows, :r] = x[rows].float() @ a_stack[slot, :r].float().T
-    return out.to(x.dtype)
+    num_rows = x.shape[0]
+    out = torch.zeros(num_rows + 1, a_stack.shape[1], dtype=torch.float32, device=x.device)  # row T: scratch
+    for rank, tile_slots, tile_rows in _adapter_tiles(token_slots, ranks):
+        a = a_stack[:, :rank].index_select(0, tile_slots).float()  # [n, rank, H_in]
+        prod = torch.bmm(_gather_tiles(x, tile_rows), a.transpose(1, 2))  # [n, size, rank]
+        out[:, :rank].index_copy_(0, tile_rows.flatten(), prod.flatten(0, 1))  # padding -> scratch row
+    return out[:num_rows].to(x.dtype)
 
 
 def lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales):
     """Per-row gather expand, in place: y[t] += scale[slot] * v[t, :rank] @ B[slot, :, :rank].T."""
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
-        r = int(ranks[slot])
-        delta = (v[rows, :r].float() @ b_stack[slot, :, :r].float().T) * float(scales[slot])
-        y[rows] += delta.to(y.dtype)
+    num_rows = v.shape[0]
+    scales = scales.to(y.device).float()
+    for rank, tile_slots, tile_rows in _adapter_tiles(token_slots, ranks):
+        b = b_stack[:, :, :rank].index_select(0, tile_slots).float()  # [n, H_out, rank]
+        vt = _gather_tiles(v[:, :rank], tile_rows) * scales[tile_slots][:, None, None]  # [n, size, rank]
+        delta = torch.bmm(vt, b.transpose(1, 2)).flatten(0, 1)  # [n * size, H_out]
+        rows = tile_rows.flatten()
+        if rows.max() >= num_rows:  # drop the padding entries
+            real = (rows < num_rows).nonzero().squeeze(1)
+            delta, rows = delta.index_select(0, real), rows.index_select(0, real)
+        y.index_add_(0, rows, delta.to(y.dtype))  # each row once: y[row] += delta in y's dtype
     return y
+
+
+def _segment_token_slots(seg_starts, seg_slots, num_rows):
+    """Per-row slots of a segment layout: seg_slots[g] on rows seg_starts[g]:seg_starts[g+1], -1 elsewhere."""
+    num_segs = seg_slots.numel()
+    row = torch.arange(num_rows, device=seg_slots.device)
+    if num_segs == 0:
+        return torch.full_like(row, -1)
+    starts = seg_starts.to(seg_slots.device).long()
+    seg = torch.searchsorted(starts, row, right=True) - 1  # the last segment that starts at or before the row
+    inside = (seg >= 0) & (seg < num_segs)  # not before the first start, not at or after the last end
+    return torch.where(inside, seg_slots.long()[seg.clamp(0, num_segs - 1)], -1)
 
 
 def lora_shrink_sgmv(x, a_stack, seg_starts, seg_slots, ranks):
     """Segmented shrink: like lora_shrink_bgmv with one adapter per contiguous segment."""
-    out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    starts = seg_starts.tolist()
-    for g, slot in enumerate(seg_slots.tolist()):
-        lo, hi = starts[g], starts[g + 1]
-        if slot < 0 or hi <= lo:
-            continue
-        r = int(ranks[slot])
-        out[lo:hi, :r] = x[lo:hi].float() @ a_stack[slot, :r].float().T
-    return out.to(x.dtype)
+    return lora_shrink_bgmv(x, a_stack, _segment_token_slots(seg_starts, seg_slots, x.shape[0]), ranks)
 
 
 def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
     """Segmented expand, in place: y[seg] += scale * v[seg, :rank] @ B[slot, :, :rank].T."""
-    starts = seg_starts.tolist()
-    for g, slot in enumerate(seg_slots.tolist()):
-        lo, hi = starts[g], starts[g + 1]
-        if slot < 0 or hi <= lo:
-            continue
-        r = int(ranks[slot])
-        delta = (v[lo:hi, :r].float() @ b_stack[slot, :, :r].float().T) * float(scales[slot])
-        y[lo:hi] += delta.to(y.dtype)
-    return y
+    token_slots = _segment_token_slots(seg_starts, seg_slots, v.shape[0])
+    return lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -85,49 +153,111 @@ def copy_blocks(kv_cache, src, dst):
         kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]
 
 
-def _gather_context(cache, block_table, ctx_len):
-    block_size = cache.shape[1]
-    n_blocks = (ctx_len + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].reshape(-1, *cache.shape[2:])[:ctx_len]
+# ---------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------
+
+# Sequences are attended in chunks whose padded per-KV-head tensors (gathered K, gathered V,
+# scores) stay under this many elements each: large enough that chunks are few, small enough
+# that the temporaries stay in cache and in memory the allocator reuses.
+_CHUNK_ELEMENTS = 1 << 18
 
 
-def _attend(q, k, v, scale, q_positions):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D]; query at position p sees keys 0..p."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    key_pos = torch.arange(k.shape[0], device=q.device)
-    mask = key_pos[None, :] > q_positions[:, None]
-    scores.masked_fill_(mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+def _context_rows(block_tables, context_lens, block_size):
+    """Where each sequence's cached tokens are: (blocks [B, n] int64, outside [m] int64).
+
+    blocks lists each sequence's first n = ceil(max context / block_size) blocks, with entries
+    past its context replaced by block 0 (they may be stale or invalid: they are never
+    followed); gathered rows are [B, L = n * block_size], and outside holds the flat indices
+    b * L + p of the rows at positions p >= context_lens[b], which must be zeroed.
+    """
+    dev = block_tables.device
+    num_blocks = -(-int(context_lens.max()) // block_size) if block_tables.shape[0] else 0
+    ctx = context_lens.to(dev).long()[:, None]
+    used = torch.arange(num_blocks, device=dev) * block_size < ctx
+    blocks = torch.where(used, block_tables[:, :num_blocks].long(), 0)
+    outside = torch.arange(num_blocks * block_size, device=dev) >= ctx  # [B, L]
+    return blocks, outside.flatten().nonzero().squeeze(1)
+
+
+def _gather_head(cache, h, blocks, outside):
+    """KV head h of the cached tokens [B, L, D] in fp32, zero at positions outside each context.
+
+    The cache rows past a context (the tail of its last block) may hold anything, NaN included:
+    they are overwritten with zeros (a select, not a multiplication) before any arithmetic.
+    """
+    rows = cache[:, :, h].index_select(0, blocks.flatten().to(cache.device))  # [B * n, block_size, D]
+    rows = rows.flatten(0, 1).index_fill_(0, outside.to(cache.device), 0)  # [B * L, D]
+    return rows.view(blocks.shape[0], blocks.shape[1] * cache.shape[1], cache.shape[-1]).float()
+
+
+def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale):
+    """Attention of a padded batch of queries over paged KV, in fp32: [B, Lq, Hq, D].
+
+    q [B, Lq, Hq, D]; q_pos [B, Lq]: the cache position of each query, which sees the keys at
+    positions 0..q_pos (its own included). q_pos = -1 sees nothing and gives zeros (padding
+    queries, empty contexts). Query heads h*G..h*G+G-1 use KV head h, G = Hq // Hkv (GQA).
+    """
+    num_seqs, num_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    blocks, outside = _context_rows(block_tables, context_lens, k_cache.shape[1])
+    length = blocks.shape[1] * k_cache.shape[1]
+    q_pos = q_pos.to(q.device).long()
+    visible = torch.arange(length, device=q.device) <= q_pos[:, :, None]  # [B, Lq, L]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+    q = q.float()
+    out = torch.empty(num_seqs, num_q, hq, d, dtype=torch.float32, device=q.device)
+    for h in range(hkv):  # the group of query heads that shares KV head h: one batched matmul each
+        k, v = _gather_head(k_cache, h, blocks, outside), _gather_head(v_cache, h, blocks, outside)
+        heads = slice(h * group, (h + 1) * group)
+        qh = q[:, :, heads].reshape(num_seqs, num_q * group, d)
+        scores = torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, num_q, group, length) * scale
+        scores += bias[:, :, None]  # -inf where the key is not visible (keys there are zero, not NaN)
+        probs = torch.softmax(scores, dim=-1)  # NaN for a query that sees no key; replaced below
+        o = torch.bmm(probs.view(num_seqs, num_q * group, length), v)
+        out[:, :, heads] = o.view(num_seqs, num_q, group, d)
+    return torch.where((q_pos >= 0)[:, :, None, None], out, 0.0)
+
+
+def _chunk(per_seq_elements):
+    """Sequences per batched step so that no padded tensor exceeds _CHUNK_ELEMENTS."""
+    return max(1, _CHUNK_ELEMENTS // max(1, per_seq_elements))
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """One query per sequence [B, Hq, D] over its whole cached context -> [B, Hq, D]."""
     out = torch.empty_like(q)
-    for b in range(q.shape[0]):
-        n = int(context_lens[b])
-        k = _gather_context(k_cache, block_tables[b], n)
-        v = _gather_context(v_cache, block_tables[b], n)
-        pos = torch.tensor([n - 1], device=q.device)
-        out[b : b + 1] = _attend(q[b : b + 1], k, v, scale, pos)
+    num_seqs, hq, d = q.shape
+    length = int(context_lens.max()) if num_seqs else 0
+    step = _chunk(length * max(hq // k_cache.shape[2], d))  # per KV head: scores, gathered K / V
+    for lo in range(0, num_seqs, step):
+        seqs = slice(lo, lo + step)
+        q_pos = context_lens[seqs].long()[:, None] - 1  # the new token is the last one in the cache
+        o = _attend(q[seqs, None], q_pos, k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale)
+        out[seqs] = o[:, 0].to(q.dtype)
     return out
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
     """New tokens [T, Hq, D] attend causally to themselves and their cached prefix."""
     out = torch.empty_like(q)
-    cu = cu_query_lens.tolist()
-    for b in range(len(cu) - 1):
-        lo, hi = cu[b], cu[b + 1]
-        if hi <= lo:
-            continue
-        n = int(context_lens[b])
-        k = _gather_context(k_cache, block_tables[b], n)
-        v = _gather_context(v_cache, block_tables[b], n)
-        pos = torch.arange(n - (hi - lo), n, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, scale, pos)
+    dev, (hq, d), hkv = q.device, q.shape[1:], k_cache.shape[2]
+    cu, ctx = cu_query_lens.to(dev).long(), context_lens.to(dev).long()
+    counts = cu[1:] - cu[:-1]  # new tokens per sequence; they end its context
+    # sequences whose counts round up to the same power of two form one padded batch (< 2x padding)
+    bucket = torch.ceil(torch.log2(counts.double()))  # -inf for sequences without new tokens
+    for b in torch.unique(bucket[counts > 0]).tolist():
+        members = (bucket == b).nonzero().squeeze(1)
+        num_q, length = int(counts[members].max()), int(ctx[members].max())
+        step = _chunk(length * max(num_q * (hq // hkv), d))  # per KV head: scores, gathered K / V
+        for lo in range(0, members.numel(), step):
+            seqs = members[lo : lo + step]
+            i = torch.arange(num_q, device=dev)
+            real = i < counts[seqs, None]  # [b, num_q]; the rest pads the batch
+            rows = torch.where(real, cu[seqs, None] + i, 0)
+            q_pos = torch.where(real, ctx[seqs, None] - counts[seqs, None] + i, -1)
+            tables = block_tables[seqs.to(block_tables.device)]
+            o = _attend(q[rows], q_pos, k_cache, v_cache, tables, ctx[seqs], scale)
+            out[rows[real]] = o[real].to(q.dtype)
     return out
