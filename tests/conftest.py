@@ -23,3 +23,15 @@ def demo() -> dict[str, Path]:
     from loraplex.demo import build_demo, default_out_dir
 
     return build_demo(Path(os.environ.get("LORAPLEX_DEMO_DIR", default_out_dir())))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """One intra-op thread in the test process: on a busy 2-core machine (a tritonserver beside
+    pytest), spinning OpenMP workers make a 7 ms step take ~1 s."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

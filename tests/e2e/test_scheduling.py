@@ -27,15 +27,6 @@ triton_server = make_triton_server_fixture(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The peft reference in this process: one intra-op thread (spinning workers are slow on a busy machine)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
@@ -31,13 +30,6 @@ ADAPTERS = [None, "demo-a", None, "demo-b", None, "demo-a", None, None]
 MAX_TOKENS = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning OpenMP workers make a 7 ms step take ~1 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
+from tiny_llama import tiny_config
+from transformers import MistralConfig, Qwen2Config
 
 from loraplex.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
@@ -22,23 +23,6 @@ WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 Q0_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-
-
-def tiny_config(**kw):
-    args = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=300)
-    return LlamaConfig(**{**args, **kw})
-
-
-@pytest.fixture(scope="module")
-def hf_config():
-    return tiny_config()
-
-
-@pytest.fixture(scope="module")
-def base_model(hf_config):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(hf_config).eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from loraplex.kernels import lora_expand_bgmv, lora_shrink_bgmv
 from loraplex.lora.adapter import AdapterError, load_peft_adapter
@@ -17,18 +16,6 @@ from loraplex.lora.shapes import MODULES, module_shapes
 from loraplex.lora.slots import LoraSlots
 
 ALL = list(MODULES)
-
-
-@pytest.fixture(scope="module")
-def hf_config():
-    return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=300)
-
-
-@pytest.fixture(scope="module")
-def base_model(hf_config):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(hf_config).eval()
 
 
 @pytest.fixture(scope="module")
