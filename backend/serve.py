@@ -92,11 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (Prometheus)")
     ap.add_argument("--address", default="0.0.0.0", help="address the three endpoints bind to")
     ap.add_argument("--adapter-store", default=str(cache_dir() / "adapters"),
-                    help="folder holding uploaded/known LoRA adapters (PEFT format)")
+                    help="folder of PEFT adapter folders; every <store>/<name>/ is served to every tenant")
     ap.add_argument("--model-repository", default=str(root / "model_repository"),
                     help="Triton model repository")
     ap.add_argument("--engine-config", default=None,
-                    help='engine settings as JSON, passed to the model (LORAPLEX_ENGINE_CONFIG), '
+                    help='engine knobs as JSON (docs/configuration.md), passed to the model as LORAPLEX_ENGINE_CONFIG, '
                          'e.g. \'{"block_size": 16}\'')
     ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
