@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 
+import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 from helpers import http_generate, scrape, sse_events, token_ids_of, wait_for_metric
 from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
-from loraplex.clients.generate import stream_generate
+from loraplex.clients.generate import build_inputs, stream_generate
 from loraplex.demo import build_peft_adapter
 
 GREEDY = {"temperature": 0, "logprobs": 0}
@@ -141,15 +144,13 @@ def test_bad_input_gets_a_final_error_and_the_server_keeps_serving(triton_server
     inputs = []
     if prompt is not None:
         t = grpcclient.InferInput("text_input", [1], "BYTES")
-        t.set_data_from_numpy(__import__("numpy").array([prompt.encode()], dtype=object))
+        t.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
         inputs.append(t)
     if params is not None:
         t = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
         raw = params if isinstance(params, str) else json.dumps(params)
-        t.set_data_from_numpy(__import__("numpy").array([raw.encode()], dtype=object))
+        t.set_data_from_numpy(np.array([raw.encode()], dtype=object))
         inputs.append(t)
-    import queue
-
     q = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     if not inputs:  # Triton itself rejects a request without its required input
@@ -165,8 +166,6 @@ def test_bad_input_gets_a_final_error_and_the_server_keeps_serving(triton_server
 
 
 def _stream_flag(value):
-    import numpy as np
-
     t = grpcclient.InferInput("stream", [1], "BOOL")
     t.set_data_from_numpy(np.array([value]))
     return t
@@ -189,27 +188,18 @@ def _idle_used_blocks(server):
 
 
 def test_grpc_cancel_frees_blocks(triton_server):
-    import queue
-
-    import numpy as np
-
     assert _idle_used_blocks(triton_server) == 0.0
     q = queue.Queue()
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    from loraplex.clients.generate import build_inputs
-
     client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True}))
     q.get(timeout=60)
     assert scrape(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
     client.stop_stream(cancel_requests=True)
     assert _idle_used_blocks(triton_server) == 0.0
-    del np
 
 
 def test_closed_http_stream_cancels(triton_server):
-    import requests
-
     body = {"text_input": "bye", "stream": True, "parameters": {"max_tokens": 900, "ignore_eos": True}}
     with requests.post(f"{triton_server.http_url}/v2/models/lora_llm/generate_stream", json=body, stream=True,
                        timeout=60) as r:
