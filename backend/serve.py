@@ -109,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of loraplex-serve."""
     args = build_parser().parse_args(argv)
     if args.engine_config is not None:
+        from loraplex.config import EngineConfig
+
         try:
-            json.loads(args.engine_config)
-        except ValueError as exc:
-            print(f"loraplex-serve: --engine-config is not valid JSON: {exc}", file=sys.stderr)
+            EngineConfig.from_dict(json.loads(args.engine_config))
+        except (ValueError, TypeError) as exc:
+            print(f"loraplex-serve: --engine-config: {exc}", file=sys.stderr)
             return 2
     store = Path(args.adapter_store)
     lora_name = None
@@ -127,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         lora_name = "demo-a"
     else:
         model_dir = Path(args.model_dir)
-        if not (model_dir / "config.json").is_file():
-            print(f"loraplex-serve: {model_dir} has no config.json", file=sys.stderr)
+        try:
+            from loraplex.models.loader import load_hf_config
+
+            load_hf_config(str(model_dir))
+        except (OSError, ValueError) as exc:
+            print(f"loraplex-serve: --model-dir {model_dir}: {exc}", file=sys.stderr)
             return 2
         store.mkdir(parents=True, exist_ok=True)
 

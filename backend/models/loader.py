@@ -15,6 +15,8 @@ def load_hf_config(model_dir: str):
     """The checkpoint's transformers config; rejects architectures we do not implement."""
     from transformers import AutoConfig
 
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     archs = getattr(config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
