@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU machine (no Triton, no network there): install the checkout
+# offline, then kernel numerics + bandwidth, the engine vs transformers+peft on CUDA, and the
+# multi-LoRA throughput. Everything lands in $OUT. Usage (device tool): bash benchmarks/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/loraplex-gpu-out}
+mkdir -p "$OUT"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || echo "install failed (see install.log)"
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "exit $?" >> "$OUT/$name.txt"
+  tail -n 25 "$OUT/$name.txt"
+}
+run engine_check 150 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
+run gpu_kernels 300 python3 benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
+    --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --json "$OUT/lora_throughput.json"
