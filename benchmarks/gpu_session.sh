@@ -14,7 +14,7 @@ run() {  # name, seconds, command...
   echo "exit $?" >> "$OUT/$name.txt"
   tail -n 25 "$OUT/$name.txt"
 }
-run engine_check 150 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
-run gpu_kernels 300 python3 benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json"
-run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
+run engine_check 120 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
+run gpu_kernels 270 python3 benchmarks/gpu_kernels.py --budget-s 200 --out "$OUT/gpu_kernels.json"
+run lora_throughput 120 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
     --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --json "$OUT/lora_throughput.json"
