@@ -38,19 +38,16 @@ class Pending:
     finish: list = field(default_factory=list)
     cumulative: list = field(default_factory=list)
     num_input_tokens: int = 0
-    dirty: bool = False
     abort_requested: bool = False
 
     def __post_init__(self):
-        self.texts, self.num_tokens = [""] * self.n, [0] * self.n
-        self.logprobs, self.finish = [[] for _ in range(self.n)], [None] * self.n
-        self.cumulative = [0.0] * self.n
+        self.reset_deltas()
+        self.finish, self.cumulative = [None] * self.n, [0.0] * self.n
 
     def reset_deltas(self) -> None:
         """After a streamed send, the next response carries only what comes next."""
         self.texts, self.num_tokens = [""] * self.n, [0] * self.n
         self.logprobs = [[] for _ in range(self.n)]
-        self.dirty = False
 
 
 class Responder:
@@ -142,7 +139,6 @@ class Responder:
             p.logprobs[i] += out.logprobs
         if out.finished:
             p.finish[i] = out.finish_reason
-        p.dirty = True
         touched[out.request_id] = p
 
     def _flush(self, request_id: str, p: Pending) -> None:
