@@ -157,7 +157,7 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1 or self.top_k == 0, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (self.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}"),
             (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.timeout is None or self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
