@@ -95,6 +95,8 @@ class LLMEngine:
         self._num_accepted = 0  # requests add_request accepted (any thread, under the lock)
         self._num_drained = 0  # of those, taken from the inbox by the loop thread
         self.num_steps = 0
+        self.generated_tokens: dict[str, int] = {}  # per tenant (metrics)
+        self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant, finish reason)
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
                  config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
                  self.num_host_blocks)
@@ -208,7 +210,7 @@ class LLMEngine:
             if params.lora_name:
                 request.adapter_digest = self.adapters.digest(params.lora_name)
         except Exception as exc:  # adapter vanished or broke on disk since validation
-            return [RequestOutput(request.request_id, 0, "", [], True, error=exc)]
+            return [self._error_output(request, exc)]
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)
         seqs = []
@@ -230,7 +232,7 @@ class LLMEngine:
         for seq in seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.remove(seq, FinishReason.ABORT)
-        return [RequestOutput(request_id, 0, "", [], True, finish_reason="abort", error=RequestCancelled("request cancelled"))]
+        return [self._error_output(seqs[0].request, RequestCancelled("request cancelled"), "abort")]
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SeqStatus.FINISHED
@@ -242,8 +244,11 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        tenant = seq.request.tenant
+        self.generated_tokens[tenant] = self.generated_tokens.get(tenant, 0) + len(new_ids)
         if finished and self._all_finished(seq):
             self._requests.pop(seq.request.request_id, None)
+            self._count_finished(seq.request, seq.finish_reason.value)
         return RequestOutput(
             request_id=seq.request.request_id,
             index=seq.index,
@@ -264,10 +269,19 @@ class LLMEngine:
             if seq.error is not None:
                 failed.add(request_id)
                 self._requests.pop(request_id, None)
-                outputs.append(RequestOutput(request_id, 0, "", [], True, error=seq.error))
+                outputs.append(self._error_output(seq.request, seq.error))
             elif request_id not in failed:
                 outputs.append(self._make_output(seq))
         return outputs
+
+    def _error_output(self, request: Request, exc: Exception, reason: str = "error") -> RequestOutput:
+        """The one final output of a request that ends in an error."""
+        self._count_finished(request, reason)
+        return RequestOutput(request.request_id, 0, "", [], True, finish_reason=reason, error=exc)
+
+    def _count_finished(self, request: Request, reason: str) -> None:
+        key = (request.tenant, reason)
+        self.finished_requests[key] = self.finished_requests.get(key, 0) + 1
 
     def _all_finished(self, seq: Sequence) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))
@@ -292,13 +306,14 @@ class LLMEngine:
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         outputs = []
         for request_id in list(self._requests):
-            for seq in self._requests.pop(request_id):
+            seqs = self._requests.pop(request_id)
+            for seq in seqs:
                 if seq.status is not SeqStatus.FINISHED:
                     try:
                         self.scheduler.remove(seq, FinishReason.ABORT)
                     except Exception:  # noqa: BLE001 - never let cleanup kill the loop thread
                         log.exception("could not remove sequence %s of request %s", seq.seq_id, request_id)
-            outputs.append(RequestOutput(request_id, 0, "", [], True, error=exc))
+            outputs.append(self._error_output(seqs[0].request, exc))
         return outputs
 
     def start(self) -> None:

@@ -34,11 +34,19 @@ class TritonMetrics:
             description="Running sequences the scheduler admits up to (lowered under sustained preemption)",
             kind=family.GAUGE,
         )
+        self._generated = family(
+            name="loraplex_generation_tokens_total", description="Tokens generated, per tenant", kind=family.COUNTER
+        )
+        self._finished = family(
+            name="loraplex_request_finished_total",
+            description="Requests ended, per tenant and finish reason (stop, length, timeout, abort, error)",
+            kind=family.COUNTER,
+        )
         self._block_gauges = {s: self._blocks.Metric(labels={"state": s}) for s in ("used", "cached", "free")}
         self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting", "swapped")}
         self._preempt_counter = self._preemptions.Metric(labels={})
         self._cap_gauge = self._cap.Metric(labels={})
-        self._counters: dict[tuple[str, str], object] = {}
+        self._counters: dict[tuple, object] = {}
         self._reported: dict[object, float] = {}
 
     def update(self, engine) -> None:
@@ -51,15 +59,20 @@ class TritonMetrics:
         self._set(self._seq_gauges["swapped"], len(sched.swapped))
         self._set(self._cap_gauge, min(sched.cap.value, engine.config.max_num_seqs))
         self._grow(self._preempt_counter, sched.num_preemptions)
-        for family, key, totals in (
-            (self._queries, "query", sched.prefix_query_tokens),
-            (self._hits, "hit", sched.prefix_hit_tokens),
+        for family, names, totals in (
+            (self._queries, ("tenant",), sched.prefix_query_tokens),
+            (self._hits, ("tenant",), sched.prefix_hit_tokens),
+            (self._generated, ("tenant",), engine.generated_tokens),
+            (self._finished, ("tenant", "finish_reason"), engine.finished_requests),
         ):
-            for tenant, total in totals.items():
-                metric = self._counters.get((key, tenant))
-                if metric is None:
-                    metric = self._counters[(key, tenant)] = family.Metric(labels={"tenant": tenant})
-                self._grow(metric, total)
+            for key, total in totals.items():
+                self._grow(self._labeled(family, names, key if isinstance(key, tuple) else (key,)), total)
+
+    def _labeled(self, family, names: tuple, values: tuple):
+        metric = self._counters.get((family, values))
+        if metric is None:
+            metric = self._counters[(family, values)] = family.Metric(labels=dict(zip(names, values)))
+        return metric
 
     def _set(self, gauge, value: float) -> None:
         if self._reported.get(gauge) != value:

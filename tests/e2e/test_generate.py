@@ -191,12 +191,14 @@ def test_grpc_cancel_frees_blocks(triton_server):
     assert _idle_used_blocks(triton_server) == 0.0
     q = queue.Queue()
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    client.start_stream(callback=lambda result, error: q.put((result, error)), headers={"x-tenant-id": "canceller"})
     client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True}))
     q.get(timeout=60)
     assert scrape(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
     client.stop_stream(cancel_requests=True)
     assert _idle_used_blocks(triton_server) == 0.0
+    assert wait_for_metric(triton_server, "loraplex_request_finished_total", 1.0,
+                           tenant="canceller", finish_reason="abort") == 1.0
 
 
 def test_closed_http_stream_cancels(triton_server):
@@ -212,3 +214,13 @@ def test_tenant_header_and_parameter_reach_the_engine(triton_server):
     http_generate(triton_server, {"text_input": "tenant two", "parameters": {"max_tokens": 2, "tenant": "globex"}})
     assert wait_for_metric(triton_server, "loraplex_prefix_cache_query_tokens_total", 11.0, tenant="acme") == 11.0
     assert wait_for_metric(triton_server, "loraplex_prefix_cache_query_tokens_total", 11.0, tenant="globex") == 11.0
+
+
+def test_generation_and_finish_counters_per_tenant(triton_server):
+    stream_generate(triton_server.grpc_url, "count me", {"max_tokens": 7, "ignore_eos": True},
+                    headers={"x-tenant-id": "counted"})
+    stream_generate(triton_server.grpc_url, "count me", {"max_tokens": 3, "ignore_eos": True},
+                    headers={"x-tenant-id": "counted"})
+    assert wait_for_metric(triton_server, "loraplex_generation_tokens_total", 10.0, tenant="counted") == 10.0
+    assert wait_for_metric(triton_server, "loraplex_request_finished_total", 2.0,
+                           tenant="counted", finish_reason="length") == 2.0
