@@ -29,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .lora.shapes import MODULES
+
 DEMO_VERSION = 1
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = len(SPECIAL_TOKENS)
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_PROJECTIONS = MODULES
 DEMO_MODEL_CONFIG: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=344,
@@ -293,9 +295,7 @@ def build_demo(out_dir: str | os.PathLike | None = None, force: bool = False) ->
             log(f"{name}: greedy output differs from base on {info['differs']}/{info['prompts']} prompts")
             if info["differs"] * 2 <= info["prompts"]:
                 raise RuntimeError(f"adapter {name} too weak: differs on {info['differs']} prompts")
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model_dir)
+        cfg = base.config
         info = {
             "version": DEMO_VERSION,
             "vocab_size": cfg.vocab_size,

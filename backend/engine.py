@@ -20,6 +20,7 @@ from .lora.shapes import module_shapes
 from .lora.slots import LoraSlots
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel
+from .models.loader import load_hf_config
 from .request import (
     EngineOverloaded, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput, SamplingParams,
     Sequence, SeqStatus,
@@ -57,15 +58,15 @@ class LLMEngine:
     """One base model, many adapters, one continuous batch."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[list[RequestOutput]], None] | None = None):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per server start
-        hf_config = AutoConfig.from_pretrained(config.model_dir, local_files_only=True)
+        hf_config = load_hf_config(config.model_dir)
         self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
-        self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len)
+        self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config)
         self.max_model_len = max_len
         num_blocks = self._num_kv_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

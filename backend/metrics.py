@@ -8,40 +8,22 @@ class TritonMetrics:
 
     def __init__(self, pb_utils):
         family = pb_utils.MetricFamily
-        self._blocks = family(
-            name="loraplex_kv_cache_blocks",
-            description="KV cache blocks by state (cached = evictable blocks holding a prefix; free includes cached)",
-            kind=family.GAUGE,
-        )
-        self._queries = family(
-            name="loraplex_prefix_cache_query_tokens_total",
-            description="Prompt tokens looked up in the prefix cache, per tenant",
-            kind=family.COUNTER,
-        )
-        self._hits = family(
-            name="loraplex_prefix_cache_hit_tokens_total",
-            description="Prompt tokens served from the prefix cache, per tenant",
-            kind=family.COUNTER,
-        )
-        self._seqs = family(
-            name="loraplex_num_sequences", description="Sequences by state", kind=family.GAUGE
-        )
-        self._preemptions = family(
-            name="loraplex_preemptions_total", description="Sequences preempted", kind=family.COUNTER
-        )
-        self._cap = family(
-            name="loraplex_admission_cap",
-            description="Running sequences the scheduler admits up to (lowered under sustained preemption)",
-            kind=family.GAUGE,
-        )
-        self._generated = family(
-            name="loraplex_generation_tokens_total", description="Tokens generated, per tenant", kind=family.COUNTER
-        )
-        self._finished = family(
-            name="loraplex_request_finished_total",
-            description="Requests ended, per tenant and finish reason (stop, length, timeout, abort, error)",
-            kind=family.COUNTER,
-        )
+
+        def make(name: str, kind, description: str):
+            return family(name=f"loraplex_{name}", description=description, kind=kind)
+
+        gauge, counter = family.GAUGE, family.COUNTER
+        self._blocks = make("kv_cache_blocks", gauge,
+                            "KV cache blocks by state (cached = evictable blocks holding a prefix; free includes cached)")
+        self._queries = make("prefix_cache_query_tokens_total", counter, "Prompt tokens looked up in the prefix cache, per tenant")
+        self._hits = make("prefix_cache_hit_tokens_total", counter, "Prompt tokens served from the prefix cache, per tenant")
+        self._seqs = make("num_sequences", gauge, "Sequences by state")
+        self._preemptions = make("preemptions_total", counter, "Sequences preempted")
+        self._cap = make("admission_cap", gauge,
+                         "Running sequences the scheduler admits up to (lowered under sustained preemption)")
+        self._generated = make("generation_tokens_total", counter, "Tokens generated, per tenant")
+        self._finished = make("request_finished_total", counter,
+                              "Requests ended, per tenant and finish reason (stop, length, timeout, abort, error)")
         self._block_gauges = {s: self._blocks.Metric(labels={"state": s}) for s in ("used", "cached", "free")}
         self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting", "swapped")}
         self._preempt_counter = self._preemptions.Metric(labels={})

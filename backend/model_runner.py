@@ -40,7 +40,7 @@ class ModelRunner:
             self.swap_in(batch.swap_in)
         if not batch.seqs:
             return RunnerOutput([], [], [])
-        input_ids, positions, slot_mapping, token_slots = [], [], [], []
+        input_ids, positions, slot_mapping = [], [], []
         cu, context_lens, sample_rows, sample_seqs = [0], [], [], []
         bs = self.block_size
         for seq, n, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
@@ -49,7 +49,6 @@ class ModelRunner:
             span = range(start, start + n)
             positions += span
             slot_mapping += [table[p // bs] * bs + p % bs for p in span]
-            token_slots += [seq.adapter_slot] * n
             cu.append(cu[-1] + n)
             context_lens.append(start + n)
             if start + n == len(seq.token_ids):
@@ -66,7 +65,7 @@ class ModelRunner:
             cu_query_lens=self._tensor(cu, torch.int32),
             is_decode=is_decode,
         )
-        lora = self._lora_batch(batch, token_slots, cu, is_decode)
+        lora = self._lora_batch(batch, cu, is_decode)
         seqs = [batch.seqs[i] for i in sample_seqs]
         for j, (i, child) in enumerate(batch.forks):  # n > 1: the other samples share the parent's last row
             sample_rows.append(cu[i + 1] - 1)
@@ -97,10 +96,13 @@ class ModelRunner:
         data = self.host_cache.index_select(2, torch.tensor(host, dtype=torch.int64))
         self.kv_cache.index_copy_(2, self._tensor(dev, torch.int64), data.to(self.device, non_blocking=True))
 
-    def _lora_batch(self, batch, token_slots, cu, is_decode) -> LoraBatch | None:
+    def _lora_batch(self, batch, cu, is_decode) -> LoraBatch | None:
+        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill."""
         slots = [seq.adapter_slot for seq in batch.seqs]
         if self.lora_slots is None or max(slots) < 0:
             return None
+        if is_decode:
+            return LoraBatch(self.lora_slots, self._tensor(slots, torch.int32), None, None, True)
         seg_starts, seg_slots = [0], []
         for b, slot in enumerate(slots):  # merge neighbours that share an adapter
             if seg_slots and seg_slots[-1] == slot:
@@ -108,13 +110,8 @@ class ModelRunner:
             else:
                 seg_slots.append(slot)
                 seg_starts.append(cu[b + 1])
-        return LoraBatch(
-            slots=self.lora_slots,
-            token_slots=self._tensor(token_slots, torch.int32),
-            seg_starts=self._tensor(seg_starts, torch.int32),
-            seg_slots=self._tensor(seg_slots, torch.int32),
-            is_decode=is_decode,
-        )
+        seg_tensors = self._tensor(seg_starts, torch.int32), self._tensor(seg_slots, torch.int32)
+        return LoraBatch(self.lora_slots, None, *seg_tensors, False)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

@@ -47,11 +47,11 @@ def _as_bool(value: Any) -> bool:
 
 
 def _as_int(value: Any) -> int:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return int(value) if isinstance(value, (int, str)) else _raise()
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError
+    return int(value)
 
 
 def _as_float(value: Any) -> float:
@@ -83,10 +83,6 @@ def _as_int_list(value: Any) -> list[int]:
 def _as_optional_str(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value or None
-    raise ValueError
-
-
-def _raise():
     raise ValueError
 
 
@@ -136,7 +132,7 @@ class SamplingParams:
                 continue
             parser = cls._PARSERS.get(key)
             if parser is None:
-                known = sorted(list(cls._PARSERS) + list(_NEUTRAL_ONLY))
+                known = sorted(SAMPLING_KEYS)
                 raise InvalidRequest(f"unknown sampling parameter '{key}'; known: {', '.join(known)}")
             if raw is None and key in ("seed", "logprobs", "lora_name", "timeout"):
                 continue
@@ -171,6 +167,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+
+SAMPLING_KEYS = frozenset(SamplingParams._PARSERS) | frozenset(_NEUTRAL_ONLY)  # every accepted key
 
 
 @dataclass(slots=True)

@@ -170,14 +170,13 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped-out sequences back, oldest first, while blocks, budget, slots and the cap allow."""
-        kv, bs = self.kv, self.kv.block_size
+        kv = self.kv
         while self.swapped and budget > 0:
             seq = self.swapped[0]
             if not self._fits_cap(seq):
                 break
             n = min(seq.num_tokens_to_compute, budget)
-            need = -(-(seq.num_computed_tokens + n) // bs)
-            if kv.num_free_blocks - need < self.watermark_blocks:
+            if kv.num_free_blocks - kv.blocks_needed(seq.seq_id, 0, seq.num_computed_tokens + n) < self.watermark_blocks:
                 break
             if not self._acquire_adapter(seq):
                 if seq.error is None:

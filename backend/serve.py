@@ -61,9 +61,8 @@ Python gRPC streaming (tritonclient):
 class _LogFollower:
     """Prints what is appended to a file."""
 
-    def __init__(self, path: Path, out=sys.stdout, start_at_end: bool = False):
-        self.path, self.out = path, out
-        self.pos = path.stat().st_size if (start_at_end and path.exists()) else 0
+    def __init__(self, path: Path, out=sys.stdout):
+        self.path, self.out, self.pos = path, out, 0
 
     def pump(self) -> None:
         """Print whatever is new."""

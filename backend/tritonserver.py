@@ -198,11 +198,6 @@ def server_env(install: TritonInstall, extra: Mapping[str, str] | None = None,
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now."""
-    return free_ports(1, host)[0]
-
-
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports that are free right now."""
     socks = []
@@ -277,8 +272,6 @@ class TritonServer:
     def grpc_url(self) -> str:
         """``host:port`` of the gRPC endpoint (what ``tritonclient.grpc`` takes)."""
         return f"{self.host}:{self.grpc_port}"
-
-    grpc_address = grpc_url
 
     @property
     def metrics_url(self) -> str:

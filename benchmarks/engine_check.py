@@ -22,8 +22,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; tests/ holds the peft oracle
 
-PROMPTS = ["Hello", "The quick brown fox", "Once upon a time", "What is LoRA?", "1, 2, 3,",
-           "Triton serves many tenants", "こんにちは", "def main():"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from loraplex.config import EngineConfig
-    from loraplex.demo import build_demo
+    from loraplex.demo import CHECK_PROMPTS, build_demo
     from loraplex.engine import LLMEngine
     from loraplex.request import SamplingParams
     from peft_reference import first_logits, greedy_tokens
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     adapters = {None: None, "demo-a": str(demo["demo-a"]), "demo-b": str(demo["demo-b"])}
     engine = LLMEngine(EngineConfig(model_dir=str(demo["model"]), device=device, dtype="float32", max_loras=2,
                                     multi_lora={k: v for k, v in adapters.items() if k}))
-    jobs = [(f"{i}-{name}", prompt, name) for i, prompt in enumerate(PROMPTS) for name in adapters]
+    jobs = [(f"{i}-{name}", prompt, name) for i, prompt in enumerate(CHECK_PROMPTS) for name in adapters]
     outputs: dict[str, list] = {}
     start = time.perf_counter()
     for wave in range(3):  # each wave joins the batch the previous one started

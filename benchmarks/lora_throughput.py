@@ -33,7 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from loraplex.lora.shapes import MODULES
+
+ALL = list(MODULES)
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 

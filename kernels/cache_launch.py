@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import cache_name
+from .instances import COPY_UNITS, cache_name
 from .launch_args import aligned
 from .runners import runner_for
 
-UNITS = (16, 4, 2)  # bytes moved per element of the copy loops, widest first
+UNITS = tuple(sorted(COPY_UNITS, reverse=True))  # bytes moved per element of the copy loops, widest first
 
 
 def copy_unit(nbytes: int, *tensors: torch.Tensor) -> int:

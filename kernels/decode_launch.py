@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import HEAD_DIMS, decode_name, decode_reduce_name
-from .launch_args import aligned, ceil_div, int32_on, same_dtype
+from .instances import decode_name, decode_reduce_name
+from .launch_args import aligned, ceil_div, check_paged, int32_on, same_dtype
 from .runners import runner_for
 
 THREADS = 128  # decode::kThreads in the .cu
@@ -43,11 +43,13 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     dtype = same_dtype(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    q = q.contiguous()  # before empty_like: out must be dense like the kernel writes it
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    q = q.contiguous()
-    _check(q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim)
+    check_paged("decode", q, k_cache, v_cache)
+    if not aligned(q, k_cache, v_cache):
+        raise ValueError("q, k_cache and v_cache must be 16-byte aligned")
     runner = runner or runner_for(q)
     group = num_q_heads // num_kv_heads
     qpb = queries_per_block(group)
@@ -73,13 +75,3 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         runner.launch("decode", decode_reduce_name(dtype, head_dim), (num_q_heads, batch, 1), (head_dim, 1, 1), args)
     return out
 
-
-def _check(q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim):
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported by the decode kernel (supported: {HEAD_DIMS})")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if not aligned(q, k_cache, v_cache):
-        raise ValueError("q, k_cache and v_cache must be 16-byte aligned")

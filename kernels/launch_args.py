@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .instances import VEC_WIDTH, c_type
+from .instances import HEAD_DIMS, VEC_WIDTH, c_type
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -31,6 +31,17 @@ def vector_width(dtype: torch.dtype, length: int, *tensors: torch.Tensor) -> int
     """16-byte vector width in elements if length and all pointers allow it, else 1."""
     width = VEC_WIDTH[c_type(dtype)]
     return width if length % width == 0 and aligned(*tensors) else 1
+
+
+def check_paged(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless the head dim is supported, query heads group over KV heads, and caches are contiguous."""
+    num_q_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported by the {kernel} kernel (supported: {HEAD_DIMS})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
 
 
 def same_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -8,11 +8,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cuda_runner import NVRTC_OPTIONS
 from .instances import FAMILIES
 from .sources import expanded_source
 
 ARCHS = ("sm_80", "sm_90")
-OPTIONS = ("-std=c++17",)
 _LIB = re.compile(r"^libnvrtc\.so\.(\d+)$")
 
 
@@ -59,7 +59,7 @@ def compile_source(source: str, names: tuple[str, ...], arch: str, filename: str
         for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS])
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
         except nvrtc.NVRTCError as err:
             return CompileResult(False, f"{err}\n{nvrtc.getProgramLog(prog)}", {})
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import torch
 
-from .instances import HEAD_DIMS, prefill_name
-from .launch_args import ceil_div, int32_on, same_dtype
+from .instances import prefill_name
+from .launch_args import ceil_div, check_paged, int32_on, same_dtype
 from .prefill_sdpa import paged_attention_prefill_sdpa
 from .runners import runner_for
 
@@ -32,8 +32,9 @@ def paged_attention_prefill(
         return paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
     if impl != "kernel":
         raise ValueError(f"unknown prefill attention impl {impl!r} (one of {IMPLS})")
-    args = (q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
-    return paged_attention_prefill_kernel(*args, runner=runner)
+    return paged_attention_prefill_kernel(
+        q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, runner=runner
+    )
 
 
 def paged_attention_prefill_kernel(
@@ -44,16 +45,11 @@ def paged_attention_prefill_kernel(
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_query_lens.numel() - 1
+    q = q.contiguous()  # before empty_like: out must be dense like the kernel writes it
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs <= 0:
         return out
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported by the prefill kernel (supported: {HEAD_DIMS})")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    q = q.contiguous()
+    check_paged("prefill", q, k_cache, v_cache)
     bq = queries_per_block(head_dim)
     tiles = ceil_div(num_tokens + num_seqs * (bq - 1), bq)  # >= sum over sequences of their tiles
     args = [out, q, k_cache, v_cache, int32_on(block_tables, q.device), int32_on(cu_query_lens, q.device)]

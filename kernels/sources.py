@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from pathlib import Path
 
@@ -33,7 +32,3 @@ def _expand(path: Path, seen: set[Path]) -> str:
     parts.append(text[pos:])
     return "".join(parts)
 
-
-def source_digest(filename: str) -> str:
-    """Short hash of a kernel source with its headers, for cache keys."""
-    return hashlib.sha256(expanded_source(filename).encode()).hexdigest()[:16]

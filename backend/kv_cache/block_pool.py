@@ -47,9 +47,6 @@ class FreeBlockQueue:
             yield node
             node = node.next
 
-    def __contains__(self, block: Block) -> bool:
-        return block.prev is not None
-
     def popleft(self) -> Block:
         """Remove and return the least recently freed block."""
         block = self._head.next
@@ -112,10 +109,6 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks with ref_count 0 (cached ones included)."""
         return len(self.free_queue)
-
-    def get_cached(self, block_hash: bytes) -> Block | None:
-        """The block registered under this hash, or None."""
-        return self.cached.get(block_hash)
 
     def take_new(self, n: int) -> list[int]:
         """Pop n blocks from the head of the free queue, evicting their hashes; each gets ref 1."""

@@ -87,16 +87,11 @@ class KVCacheManager:
             return
         hashes = self._hashes[seq_id]
         bs = self.block_size
-        num_full = min(num_computed_tokens, len(token_ids)) // bs
-        if num_full > len(table):
-            num_full = len(table)
+        num_full = min(min(num_computed_tokens, len(token_ids)) // bs, len(table))
         pool = self.pool
         for i in range(len(hashes), num_full):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            if i == 0:
-                h = hash_block(None, chunk, namespace)
-            else:
-                h = hash_block(hashes[i - 1], chunk)
+            h = hash_block(hashes[i - 1], chunk) if i else hash_block(None, chunk, namespace)
             hashes.append(h)
             pool.cache_block(table[i], h, chunk)
 

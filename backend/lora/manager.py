@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter import AdapterError, LoraAdapter, load_peft_adapter
+from .adapter import LoraAdapter, load_peft_adapter
 from .slots import LoraSlots
 
 
@@ -125,7 +125,7 @@ class AdapterManager:
 
     def release(self, name: str, slot: int | None = None) -> None:
         """Drop one pin taken by acquire(); pass the slot acquire() returned to be exact across re-registers."""
-        candidates = [r for r in self._retired.values() if r.name == name and r.pins > 0]
+        candidates = [r for r in self._retired.values() if r.name == name]
         rec = self._resident.get(name)
         if rec is not None and rec.pins > 0:
             candidates.append(rec)
@@ -222,4 +222,4 @@ class AdapterManager:
         self._free.append(slot)
 
 
-__all__ = ["AdapterError", "AdapterManager", "AdapterNotFound"]
+__all__ = ["AdapterManager", "AdapterNotFound"]

@@ -27,12 +27,12 @@ class AttentionBatch:
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which adapter slot each token uses (-1 = base model), as rows and as segments."""
+    """Which adapter slot each token uses (-1 = base model): rows for decode, segments for prefill."""
 
     slots: object  # LoraSlots (stacks per layer and module)
-    token_slots: torch.Tensor  # int32 [T]
-    seg_starts: torch.Tensor  # int32 [G+1]
-    seg_slots: torch.Tensor  # int32 [G]
+    token_slots: torch.Tensor | None  # int32 [T]; used by decode (BGMV)
+    seg_starts: torch.Tensor | None  # int32 [G+1]; used with prefill (SGMV)
+    seg_slots: torch.Tensor | None  # int32 [G]
     is_decode: bool
 
 
@@ -46,8 +46,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """Weights of a LLaMA-family checkpoint and its forward pass."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None):
-        self.config = cfg = load_hf_config(model_dir)
+    def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None):
+        self.config = cfg = config if config is not None else load_hf_config(model_dir)
         self.dtype, self.device = dtype, device
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..request import InvalidRequest, SamplingParams
+from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -76,7 +76,7 @@ def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict) -> Gen
             raise InvalidRequest("sampling_parameters must be a JSON object")
     tenant = str(parameters.get("x-tenant-id") or parameters.get("tenant") or "default")
     for key, value in parameters.items():
-        if key in SamplingParams._PARSERS or key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if key in SAMPLING_KEYS:
             sampling.setdefault(key, value)
     params = SamplingParams.from_dict(sampling)
     returns = {name: _flag(inputs, name, False) for name in RETURN_FLAGS}

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from loraplex.lora.shapes import MODULES
+
+ALL = list(MODULES)
 
 # Three architectures that differ where the forward pass can go wrong.
 ARCHS: dict[str, dict] = {

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kv_snapshot import snapshot
 from loraplex.kv_cache import BlockPool, FreeBlockQueue, KVCacheManager, hash_block, namespace_key
 from loraplex.kv_cache import manager as manager_mod
 from loraplex.kv_cache.block_pool import Block
@@ -21,18 +22,6 @@ def prefill(kv, seq, tokens, ns=NS):
     kv.cache_full_blocks(seq, tokens, len(tokens), ns)
     kv.check_invariants()
     return blocks, covered
-
-
-def snapshot(kv):
-    return (
-        queue(kv),
-        {s: list(t) for s, t in kv._tables.items()},
-        {s: list(h) for s, h in kv._hashes.items()},
-        [(b.ref_count, b.block_hash, b.token_ids) for b in kv.pool.blocks],
-        dict(kv.pool.cached),
-        kv.usage(),
-        list(kv._copy_pairs),
-    )
 
 
 # ------------------------------------------------------------------ hashing

@@ -9,6 +9,7 @@ namespace, collision), a missed or wrong copy-on-write, and a write into a share
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_snapshot import snapshot
 
 from loraplex.kv_cache import KVCacheManager, namespace_key
 
@@ -31,16 +32,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- helpers
 
     def _snapshot(self):
-        kv = self.kv
-        return (
-            kv.pool.free_queue.ids(),
-            {s: list(t) for s, t in kv._tables.items()},
-            {s: list(h) for s, h in kv._hashes.items()},
-            [(b.ref_count, b.block_hash, b.token_ids) for b in kv.pool.blocks],
-            dict(kv.pool.cached),
-            kv.usage(),
-            list(kv._copy_pairs),
-        )
+        return snapshot(self.kv)
 
     def _compute(self, seq_id, n):
         """Apply pending copies, write n tokens' KV from the seq's computed position, register full blocks."""
