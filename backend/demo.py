@@ -159,8 +159,11 @@ def build_tiny_llama(out_dir: str | os.PathLike, *, seed: int = 0, lm_head_scale
 
 def build_peft_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, r: int, alpha: float,
                        target_modules, seed: int, use_rslora: bool = False, *, model=None,
-                       b_scale: float = 1.0) -> Path:
-    """Save a PEFT LoRA adapter for ``model_dir`` with random (non-zero) A and B from ``seed``."""
+                       b_scale: float = 1.0, **lora_kwargs: Any) -> Path:
+    """Save a PEFT LoRA adapter for ``model_dir`` with random (non-zero) A and B from ``seed``.
+
+    ``lora_kwargs`` go to peft's LoraConfig (e.g. rank_pattern, alpha_pattern, layers_to_transform).
+    """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -169,7 +172,7 @@ def build_peft_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     cfg = LoraConfig(
         r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0,
-        bias="none", task_type="CAUSAL_LM", init_lora_weights=False, use_rslora=use_rslora,
+        bias="none", task_type="CAUSAL_LM", init_lora_weights=False, use_rslora=use_rslora, **lora_kwargs,
     )
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, cfg)

@@ -72,14 +72,11 @@ def log(msg: str) -> None:
 
 def build_assets(args, work: Path, num_adapters: int) -> tuple[str, dict[str, str]]:
     """Model checkpoint and num_adapters random PEFT adapters; returns (model_dir, name -> path)."""
-    import copy
-
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from loraplex.demo import build_tiny_llama
+    from loraplex.demo import build_peft_adapter, build_tiny_llama
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -95,17 +92,10 @@ def build_assets(args, work: Path, num_adapters: int) -> tuple[str, dict[str, st
     targets = ALL if args.targets == "all" else ATTN
     adapters = {}
     for i in range(num_adapters):
-        torch.manual_seed(1000 + i)
-        cfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, lora_dropout=0.0,
-                         bias="none", task_type="CAUSAL_LM", init_lora_weights=False)
-        pm = get_peft_model(copy.deepcopy(base), cfg)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(0.1)
-        out = work / "adapters" / f"lora{i:02d}"
-        pm.save_pretrained(str(out), safe_serialization=True)
-        adapters[f"lora{i:02d}"] = str(out)
+        name = f"lora{i:02d}"
+        out = build_peft_adapter(model_dir, work / "adapters" / name, args.rank, 2 * args.rank, targets, 1000 + i,
+                                 model=base, b_scale=0.1)
+        adapters[name] = str(out)
     return model_dir, adapters
 
 

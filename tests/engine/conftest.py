@@ -61,27 +61,12 @@ class Family:
         return json.loads((Path(self.adapters[name]) / "adapter_config.json").read_text())
 
 
-def build_adapter(base_model, out_dir: Path, *, seed: int, b_scale: float = B_SCALE, **lora_kwargs) -> Path:
-    """Save a PEFT LoRA adapter with random non-zero A and B (B scaled by b_scale) for base_model."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", init_lora_weights=False, **lora_kwargs)
-    peft_model = get_peft_model(copy.deepcopy(base_model), cfg)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(b_scale)
-    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
-    return out_dir
-
-
 def build_family(root: Path, arch: str) -> Family:
     """Build the checkpoint of ``arch`` and every adapter of ADAPTER_SPECS under root."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from loraplex.demo import build_tiny_llama
+    from loraplex.demo import build_peft_adapter, build_tiny_llama
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -92,7 +77,10 @@ def build_family(root: Path, arch: str) -> Family:
     adapters = {}
     for name, spec in ADAPTER_SPECS.items():
         spec = dict(spec)
-        adapters[name] = str(build_adapter(base, root / "adapters" / name, **spec))
+        adapters[name] = str(build_peft_adapter(
+            model_dir, root / "adapters" / name, spec.pop("r"), spec.pop("lora_alpha"), spec.pop("target_modules"),
+            spec.pop("seed"), spec.pop("use_rslora", False), model=base, b_scale=B_SCALE, **spec,
+        ))
     return Family(arch, str(model_dir), adapters, copy.deepcopy(ADAPTER_SPECS))
 
 
