@@ -22,6 +22,8 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_n: int = 16  # largest `n` (samples per request) accepted; also bounded by max_num_seqs
+    max_logprobs: int = 20  # largest `logprobs` (top candidates per token) accepted, as vLLM's default
     max_waiting_requests: int = 4096  # requests accepted but not yet started; beyond it: UNAVAILABLE at once
     batching: str = "continuous"  # continuous | static (admit only into an empty batch; for benchmarks)
     admission_policy: str = "fcfs"  # fcfs | priority (lower `priority` first) | sjf (fewest max_tokens first, aged)
@@ -54,6 +56,8 @@ class EngineConfig:
             (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (self.max_n >= 1, "max_n must be >= 1"),
+            (self.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.batching in ("continuous", "static"), "batching must be continuous or static"),
             (self.admission_policy in ("fcfs", "priority", "sjf"), "admission_policy must be fcfs, priority or sjf"),
             (self.sjf_aging_rate >= 0, "sjf_aging_rate must be >= 0"),

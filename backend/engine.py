@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -15,6 +16,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
+from .lora.adapter import AdapterError
 from .lora.manager import AdapterManager, AdapterNotFound
 from .lora.shapes import module_shapes
 from .lora.slots import LoraSlots
@@ -22,8 +24,8 @@ from .model_runner import ModelRunner
 from .models.llama import LlamaModel
 from .models.loader import load_hf_config
 from .request import (
-    EngineOverloaded, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput, SamplingParams,
-    Sequence, SeqStatus,
+    EngineOverloaded, EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
+    SamplingParams, Sequence, SeqStatus, show,
 )
 from .sampler import make_generator
 from .scheduler import Scheduler
@@ -81,8 +83,9 @@ class LLMEngine:
         for name, path in {**store_adapters(config.adapter_store), **config.multi_lora}.items():
             self.adapters.register(name, path)
         self.num_host_blocks = self._num_host_blocks()
-        self.scheduler = Scheduler(config, self.kv_manager, self.adapters, self._eos_ids(hf_config), max_len,
-                                   num_host_blocks=self.num_host_blocks)
+        self.eos_token_ids = self._eos_ids(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
         self.on_outputs = on_outputs
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
@@ -92,15 +95,21 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # shut down: add_request refuses
         self._accept_lock = threading.Lock()
         self._num_accepted = 0  # requests add_request accepted (any thread, under the lock)
         self._num_drained = 0  # of those, taken from the inbox by the loop thread
         self.num_steps = 0
         self.generated_tokens: dict[str, int] = {}  # per tenant (metrics)
         self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant, finish reason)
+        self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
                  config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
                  self.num_host_blocks)
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,
+                         num_host_blocks=self.num_host_blocks)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks > 0:
@@ -140,8 +149,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
                 f"{len(ids) + params.max_tokens} exceeds the model's max length {self.max_model_len}"
             )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(f"n is {params.n} but max_num_seqs is {self.config.max_num_seqs}")
+        self._check_limits(params)
         bs, usable = self.config.block_size, self.kv_manager.num_blocks - self.scheduler.watermark_blocks
         need = -(-(len(ids) + params.max_tokens) // bs)
         if need > usable:
@@ -150,12 +158,31 @@ class LLMEngine:
                 f"blocks of {bs} tokens, but the KV cache has {usable} for sequences"
             )
         if params.lora_name and params.lora_name not in self.adapters.names():
-            raise AdapterNotFound(f"LoRA adapter '{params.lora_name}' not found; available: {sorted(self.adapters.names())}")
+            # vllm_backend's exact text (its clients compare it)
+            raise AdapterNotFound(f"LoRA {show(params.lora_name, 200)[1:-1]} is not supported, "
+                                  f"we currently support {self.adapters.names()}")
         return Request(request_id, prompt, ids, params, tenant)
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """Bounds that depend on the engine: n, logprobs, stop token ids."""
+        config = self.config
+        checks = [
+            (params.n <= config.max_n, f"n is {params.n} but at most {config.max_n} is allowed (max_n)"),
+            (params.n <= config.max_num_seqs, f"n is {params.n} but max_num_seqs is {config.max_num_seqs}"),
+            (params.logprobs is None or params.logprobs <= config.max_logprobs,
+             f"logprobs is {params.logprobs} but at most {config.max_logprobs} is allowed (max_logprobs)"),
+            (all(t < self.vocab_size for t in params.stop_token_ids),
+             f"stop_token_ids must be below the vocabulary size {self.vocab_size}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; raises EngineOverloaded when max_waiting_requests are already waiting."""
         with self._accept_lock:
+            if self._closed:
+                raise EngineShuttingDown("the model is shutting down; retry on another replica")
             waiting = self.num_waiting_requests()
             if waiting >= self.config.max_waiting_requests:
                 raise EngineOverloaded(
@@ -177,18 +204,54 @@ class LLMEngine:
 
     # ---- loop thread -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit and abort, run one iteration of the batch, return the outputs it produced."""
+        """Admit and abort, run one iteration of the batch, return the outputs it produced.
+
+        A failure belongs to the requests it came from: a newcomer that breaks the forward
+        pass is retried alone and then failed; a batch whose forward fails without
+        newcomers fails its own requests; a row the sampler cannot use fails its request.
+        """
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch.finished:
-            outputs += self._finished_while_scheduling(batch.finished)
+            outputs += self._outputs(batch.finished)
         if batch.empty:
             return outputs
-        result = self.runner.execute(batch)
+        try:
+            result = self._forward(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - no newcomer to blame: the batch's own requests fail
+            log.exception("forward pass failed; failing the %d requests of its batch", len(batch.seqs))
+            for seq in batch.seqs:
+                outputs += self._fail_request(seq.request, exc)
+            return outputs
+        if result is None:
+            return outputs
+        for row, exc in result.errors.items():
+            seq = batch.seqs[row] if row < len(batch.seqs) else batch.forks[row - len(batch.seqs)][1]
+            outputs += self._fail_request(seq.request, exc)
         changed = self.scheduler.update(batch, result)
         self.num_steps += 1
-        outputs += [self._make_output(seq) for seq in changed]
+        outputs += self._outputs(changed)
         return outputs
+
+    def _forward(self, batch, outputs: list[RequestOutput]):
+        """Run the batch; if it raises, retry it without this step's newcomers (None: nothing left to run)."""
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            newcomers = list(batch.admitted)
+            if not newcomers:
+                raise
+            log.exception("forward pass failed; retrying without its %d newcomers", len(newcomers))
+            convicted = [s for s in newcomers if s.suspect]  # already admitted alone once, and failed again
+            self.scheduler.withdraw(batch, newcomers)
+            for seq in convicted:
+                outputs += self._fail_request(seq.request, exc)
+            if not batch.seqs:
+                return None
+            result = self.runner.execute(batch, copies=False)
+        for seq in batch.admitted:
+            seq.suspect = False
+        return result
 
     def has_work(self) -> bool:
         """Anything queued, waiting or running."""
@@ -199,19 +262,30 @@ class LLMEngine:
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "add":
-                outputs += self._admit_request(item)
-                self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
+                try:
+                    outputs += self._admit_request(item)
+                finally:
+                    self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
             else:
                 outputs += self._abort_request(item)
         return outputs
 
     def _admit_request(self, request: Request) -> list[RequestOutput]:
-        params = request.params
         try:
-            if params.lora_name:
-                request.adapter_digest = self.adapters.digest(params.lora_name)
-        except Exception as exc:  # adapter vanished or broke on disk since validation
+            seqs = self._new_sequences(request)
+        except Exception as exc:  # noqa: BLE001 - e.g. its adapter broke on disk since validation
+            if not isinstance(exc, (AdapterError, AdapterNotFound, InvalidRequest)):
+                log.exception("request %s failed at admission", request.request_id)
             return [self._error_output(request, exc)]
+        self.scheduler.add(seqs[0])
+        self._requests[request.request_id] = seqs
+        return []
+
+    def _new_sequences(self, request: Request) -> list[Sequence]:
+        """The request's n samples, ready to queue (sample 0 carries the others as forks)."""
+        params = request.params
+        if params.lora_name:
+            request.adapter_digest = self.adapters.digest(params.lora_name)
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)
         seqs = []
@@ -222,18 +296,13 @@ class LLMEngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
             seqs.append(seq)
         seqs[0].forks = seqs[1:]  # n > 1: forked from sample 0 after its prefill (copy-on-write)
-        self.scheduler.add(seqs[0])
-        self._requests[request.request_id] = seqs
-        return []
+        return seqs
 
     def _abort_request(self, request_id: str) -> list[RequestOutput]:
-        seqs = self._requests.pop(request_id, None)
+        seqs = self._requests.get(request_id)
         if seqs is None:
             return []
-        for seq in seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.remove(seq, FinishReason.ABORT)
-        return [self._error_output(seqs[0].request, RequestCancelled("request cancelled"), "abort")]
+        return self._fail_request(seqs[0].request, RequestCancelled("Request was cancelled"), "abort")
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SeqStatus.FINISHED
@@ -247,10 +316,7 @@ class LLMEngine:
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         tenant = seq.request.tenant
         self.generated_tokens[tenant] = self.generated_tokens.get(tenant, 0) + len(new_ids)
-        if finished and self._all_finished(seq):
-            self._requests.pop(seq.request.request_id, None)
-            self._count_finished(seq.request, seq.finish_reason.value)
-        return RequestOutput(
+        output = RequestOutput(
             request_id=seq.request.request_id,
             index=seq.index,
             text=text,
@@ -261,19 +327,43 @@ class LLMEngine:
             logprobs=logprobs if seq.request.params.logprobs is not None else None,
             num_input_tokens=seq.num_prompt_tokens,
         )
+        if finished and self._all_finished(seq):
+            self._requests.pop(seq.request.request_id, None)
+            self._count_finished(seq.request, seq.finish_reason.value)
+        return output
 
-    def _finished_while_scheduling(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Outputs of sequences the scheduler ended: timeouts end normally; a failed request gets one error."""
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Deltas of changed sequences; a sequence with an error (or whose output fails) fails its request once."""
         outputs, failed = [], set()
         for seq in seqs:
             request_id = seq.request.request_id
-            if seq.error is not None:
-                failed.add(request_id)
-                self._requests.pop(request_id, None)
-                outputs.append(self._error_output(seq.request, seq.error))
-            elif request_id not in failed:
-                outputs.append(self._make_output(seq))
+            if request_id in failed:
+                continue
+            try:
+                if seq.error is None:
+                    outputs.append(self._make_output(seq))
+                    continue
+                exc = seq.error
+            except Exception as error:  # noqa: BLE001 - e.g. the final detokenization raised
+                exc = error
+            failed.add(request_id)
+            outputs += self._fail_request(seq.request, exc)
         return outputs
+
+    def _fail_request(self, request: Request, exc: Exception, reason: str = "error") -> list[RequestOutput]:
+        """End a request the engine holds with one error output, freeing its blocks and pins ([] if it ended)."""
+        seqs = self._requests.pop(request.request_id, None)
+        if seqs is None:
+            return []
+        for seq in seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.remove(seq, FinishReason.ABORT)
+        return [self._error_output(request, exc, reason)]
+
+    def _fail_held(self, exc: Exception) -> list[RequestOutput]:
+        """One error output for every request the engine holds, without touching the scheduler."""
+        held, self._requests = self._requests, {}
+        return [self._error_output(seqs[0].request, exc) for seqs in held.values()]
 
     def _error_output(self, request: Request, exc: Exception, reason: str = "error") -> RequestOutput:
         """The one final output of a request that ends in an error."""
@@ -288,33 +378,60 @@ class LLMEngine:
         return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))
 
     def run_loop(self) -> None:
-        """The loop thread: step while there is work, sleep on an event otherwise."""
+        """The loop thread, supervised: if serving raises, fail what it held, reset, serve on."""
+        while not self._stopping:
+            try:
+                self._serve()
+            except BaseException as exc:  # noqa: BLE001 - the loop thread must never die
+                log.exception("engine loop failed; failing every request it held and resetting its state")
+                try:
+                    self._emit(self._recover(exc))
+                except BaseException:  # noqa: BLE001
+                    log.exception("engine recovery failed; retrying")
+                time.sleep(0.05)  # never spin if the failure repeats
+
+    def _serve(self) -> None:
+        """Step while there is work, sleep on an event otherwise."""
         while not self._stopping:
             if not self.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.step()
-            except Exception as exc:  # never let one bad step kill the server
-                log.exception("engine step failed; failing the running requests")
-                outputs = self._fail_all(exc)
-            if outputs and self.on_outputs is not None:
-                self.on_outputs(outputs)
+            self._emit(self.step())
             if self.on_step is not None:
-                self.on_step(self)
+                try:
+                    self.on_step(self)
+                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                    log.exception("on_step hook failed")
 
-    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
-        outputs = []
-        for request_id in list(self._requests):
-            seqs = self._requests.pop(request_id)
-            for seq in seqs:
-                if seq.status is not SeqStatus.FINISHED:
-                    try:
-                        self.scheduler.remove(seq, FinishReason.ABORT)
-                    except Exception:  # noqa: BLE001 - never let cleanup kill the loop thread
-                        log.exception("could not remove sequence %s of request %s", seq.seq_id, request_id)
-            outputs.append(self._error_output(seqs[0].request, exc))
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self.on_outputs is not None:
+            self.on_outputs(outputs)
+
+    def _recover(self, exc: BaseException) -> list[RequestOutput]:
+        """Fail every request the engine holds without trusting its state, then start from a clean one."""
+        error = exc if isinstance(exc, Exception) else RuntimeError(f"engine loop failed: {exc!r}")
+        outputs = self._fail_held(error)
+        old = self.scheduler
+        self.kv_manager = KVCacheManager(self.kv_manager.num_blocks, self.config.block_size,
+                                         self.config.enable_prefix_caching)
+        self.adapters.reset_pins()
+        self.scheduler = self._new_scheduler()
+        self.scheduler.carry_counters(old)
+        self.num_recoveries += 1
+        return outputs
+
+    def shutdown(self, exc: Exception | None = None) -> list[RequestOutput]:
+        """Stop the loop thread and end every request held or queued with one error; refuse new ones."""
+        with self._accept_lock:
+            self._closed = True
+        self.stop(timeout=30.0)
+        error = exc or EngineShuttingDown("the model is shutting down; the request did not finish")
+        outputs = self._fail_held(error)
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                outputs.append(self._error_output(item, error))
         return outputs
 
     def start(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,11 @@ class RunnerOutput:
     token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list
+    errors: dict[int, Exception] = field(default_factory=dict)  # row -> why that row could not be sampled
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or infinite logits for one sequence: that request fails alone."""
 
 
 class ModelRunner:
@@ -29,15 +34,13 @@ class ModelRunner:
         self.device = model.device
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
 
-    def execute(self, batch) -> RunnerOutput:
-        """Run one step for a SchedulerOutput: block copies (swap out, copy-on-write, swap in), then the model."""
-        if batch.swap_out:
-            self.swap_out(batch.swap_out)
-        if batch.copy_pairs:
-            src, dst = zip(*batch.copy_pairs)
-            kernels.copy_blocks(self.kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
-        if batch.swap_in:
-            self.swap_in(batch.swap_in)
+    def execute(self, batch, copies: bool = True) -> RunnerOutput:
+        """Run one step for a SchedulerOutput: block copies (swap out, copy-on-write, swap in), then the model.
+
+        ``copies=False`` skips the copies (a retry of a step whose copies already ran).
+        """
+        if copies:
+            self.copy_blocks(batch)
         if not batch.seqs:
             return RunnerOutput([], [], [])
         input_ids, positions, slot_mapping = [], [], []
@@ -78,11 +81,33 @@ class ModelRunner:
             if not sample_rows:
                 return out
             logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
+            if not bool(torch.isfinite(logits).all()):
+                logits = self._contain_non_finite(logits, sample_seqs, out)
             tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
             chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
         for j, i in enumerate(sample_seqs):
             out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]
         return out
+
+    def copy_blocks(self, batch) -> None:
+        """The step's block copies, in order: swap out, copy-on-write, swap in."""
+        if batch.swap_out:
+            self.swap_out(batch.swap_out)
+        if batch.copy_pairs:
+            src, dst = zip(*batch.copy_pairs)
+            kernels.copy_blocks(self.kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+        if batch.swap_in:
+            self.swap_in(batch.swap_in)
+
+    @staticmethod
+    def _contain_non_finite(logits: torch.Tensor, sample_seqs: list[int], out: RunnerOutput) -> torch.Tensor:
+        """Record an error for each row with NaN/inf logits and zero those rows so the others still sample."""
+        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        for j in bad:
+            out.errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
+        logits = logits.clone()
+        logits[bad] = 0.0
+        return logits
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device KV blocks to host blocks: (device, host) pairs."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,10 @@ class EngineOverloaded(RuntimeError):
     """Too many requests waiting (max_waiting_requests): becomes an UNAVAILABLE error response."""
 
 
+class EngineShuttingDown(RuntimeError):
+    """The model is being unloaded: becomes an UNAVAILABLE error response."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop string or a stop token
     LENGTH = "length"  # max_tokens or the model's max length
@@ -36,6 +41,19 @@ class SeqStatus(enum.Enum):
     FORK_PENDING = 4  # sample 1..n-1 of a request, forked from sample 0 when its prefill ends
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+GREEDY_EPSILON = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature samples greedily
+MAX_STOP_STRINGS = 64  # per request (each checked at every step)
+MAX_STOP_STRING_CHARS = 256  # a stop string's prefix is held back while streaming
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A short repr of client input for error messages (never the whole of a huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -47,24 +65,36 @@ def _as_bool(value: Any) -> bool:
 
 
 def _as_int(value: Any) -> int:
+    """An int64 (floats only when integral, strings as decimal integers)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError
     if isinstance(value, float) and not value.is_integer():
         raise ValueError
-    return int(value)
+    if isinstance(value, str) and len(value) > 25:
+        raise ValueError  # longer than any int64: never run int() on huge digit strings
+    number = int(value)
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise ValueError
+    return number
 
 
 def _as_float(value: Any) -> float:
-    if isinstance(value, bool):
+    """A finite float (NaN and infinities, also as strings or from overflow, are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError
-    return float(value)
+    if isinstance(value, str) and len(value) > 64:
+        raise ValueError
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError
+    return number
 
 
 def _as_str_list(value: Any) -> list[str]:
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return [value]
         value = parsed if isinstance(parsed, list) else [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -74,7 +104,10 @@ def _as_str_list(value: Any) -> list[str]:
 
 def _as_int_list(value: Any) -> list[int]:
     if isinstance(value, str):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise ValueError from None
     if not isinstance(value, list):
         raise ValueError
     return [_as_int(v) for v in value]
@@ -85,6 +118,12 @@ def _as_optional_str(value: Any) -> str | None:
         return value or None
     raise ValueError
 
+
+_TYPE_NAMES = {
+    _as_bool: "boolean", _as_int: "integer in the signed 64-bit range", _as_float: "finite number",
+    _as_str_list: "string or list of strings", _as_int_list: "list of integers in the signed 64-bit range",
+    _as_optional_str: "string",
+}
 
 # Penalties are accepted only at their neutral value (OpenAI frontends send them).
 _NEUTRAL_ONLY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -133,31 +172,38 @@ class SamplingParams:
             parser = cls._PARSERS.get(key)
             if parser is None:
                 known = sorted(SAMPLING_KEYS)
-                raise InvalidRequest(f"unknown sampling parameter '{key}'; known: {', '.join(known)}")
+                raise InvalidRequest(f"unknown sampling parameter {show(key)}; known: {', '.join(known)}")
             if raw is None and key in ("seed", "logprobs", "lora_name", "timeout"):
                 continue
             try:
                 kwargs[key] = parser(raw)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise InvalidRequest(
-                    f"sampling parameter '{key}' has value {raw!r}, which is not a valid {parser.__name__[4:]}"
+                    f"sampling parameter '{key}' has value {show(raw)}, which is not a valid {_TYPE_NAMES[parser]}"
                 ) from None
         params = cls(**kwargs)
         params.validate()
         return params
 
     def validate(self) -> None:
-        """Range checks; raises InvalidRequest."""
+        """Range checks that need no engine; raises InvalidRequest (the engine checks n, logprobs, ids)."""
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}"),
-            (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (self.timeout is None or self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
             (all(self.stop), "stop strings must be non-empty"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -165,8 +211,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax (a temperature below vLLM's epsilon counts as 0)."""
+        return self.temperature < GREEDY_EPSILON or self.top_k == 1
 
 
 SAMPLING_KEYS = frozenset(SamplingParams._PARSERS) | frozenset(_NEUTRAL_ONLY)  # every accepted key
@@ -211,7 +257,8 @@ class Sequence:
     host_blocks: list[int] = field(default_factory=list)  # swap-space blocks while SWAPPED
     adapter_skips: int = 0  # steps skipped at admission for want of an adapter slot
     first_scheduled_time: float | None = None  # when it first ran (None: never started)
-    error: Exception | None = None  # why the scheduler failed it (its adapter broke): an error output
+    error: Exception | None = None  # why the scheduler failed it (its adapter broke, detokenizing raised): an error output
+    suspect: bool = False  # a step it was admitted in raised: it is admitted again only as its step's sole newcomer
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,7 +12,7 @@ def make_generator(params: SamplingParams, index: int, device) -> torch.Generato
     if params.seed is None or params.greedy:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed + index)
+    gen.manual_seed((params.seed + index) % (1 << 64))  # any int64 seed, any sample index
     return gen
 
 

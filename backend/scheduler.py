@@ -42,6 +42,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout; seq.error: failed)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
 
     @property
     def empty(self) -> bool:
@@ -74,6 +75,11 @@ class Scheduler:
         self._tie = itertools.count()
         self._preempted_now = 0
         self._fork_parents: list[Sequence] = []
+
+    def carry_counters(self, old: "Scheduler") -> None:
+        """Continue the monotonic counters (metrics) of a scheduler this one replaces."""
+        self.prefix_query_tokens, self.prefix_hit_tokens = old.prefix_query_tokens, old.prefix_hit_tokens
+        self.num_preemptions, self.num_swapped_out = old.num_preemptions, old.num_swapped_out
 
     # ---- admission and removal -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -204,8 +210,8 @@ class Scheduler:
             while self.waiting and budget > 0:
                 seq = self.waiting.pop()
                 popped.append(seq)
-                if not self._fits_cap(seq):
-                    break
+                if not self._fits_cap(seq) or (seq.suspect and out.admitted):
+                    break  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
                 if not self._acquire_adapter(seq):
                     if seq.error is not None:  # its adapter broke since it was queued: fail it alone
                         self.waiting.unpop([popped.pop()])
@@ -215,15 +221,19 @@ class Scheduler:
                     if seq.adapter_skips > self.config.max_adapter_wait_steps:
                         break  # waited long enough: nothing behind it is admitted until it gets a slot
                     continue
-                cached, num_cached = kv.find_cached_prefix(seq.token_ids, seq.namespace)
-                n = min(len(seq.token_ids) - num_cached, budget)
-                need = kv.blocks_needed(seq.seq_id, num_cached, n, cached)
-                if kv.num_free_blocks - need < self.watermark_blocks or not kv.allocate(
-                    seq.seq_id, num_cached, n, cached
-                ):
+                try:
+                    fits, num_cached, n = self._allocate_prefill(seq, budget)
+                except Exception as exc:  # noqa: BLE001 - a lookup that raises fails this request, not the step
+                    kv.free(seq.seq_id)
+                    seq.error = exc
+                    self.waiting.unpop([popped.pop()])
+                    out.finished += self.remove(seq, FinishReason.ABORT)
+                    continue
+                if not fits:
                     self._release_adapter(seq)
                     break
                 popped.pop()
+                out.admitted.append(seq)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = self.clock()
                     self.num_new_waiting -= 1
@@ -233,9 +243,37 @@ class Scheduler:
                 self.running.append(seq)
                 self._emit(out, seq, n)
                 budget -= n
+                if seq.suspect:
+                    break
         finally:
             if popped:
                 self.waiting.unpop(popped)
+
+    def _allocate_prefill(self, seq: Sequence, budget: int) -> tuple[bool, int, int]:
+        """Prefix-cache lookup and blocks for the first chunk: (fits, cached tokens, new tokens)."""
+        kv = self.kv
+        cached, num_cached = kv.find_cached_prefix(seq.token_ids, seq.namespace)
+        n = min(len(seq.token_ids) - num_cached, budget)
+        need = kv.blocks_needed(seq.seq_id, num_cached, n, cached)
+        fits = kv.num_free_blocks - need >= self.watermark_blocks and kv.allocate(seq.seq_id, num_cached, n, cached)
+        return fits, num_cached, n
+
+    def withdraw(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
+        """Take sequences admitted this step back out of its batch, to the waiting queue, marked suspect."""
+        gone = {s.seq_id for s in seqs}
+        parents = [(out.seqs[i], child) for i, child in out.forks]
+        for seq in seqs:
+            self._unemit(out, seq)
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+            self._release_adapter(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            seq.suspect = True
+        self.waiting.unpop(seqs)
+        index = {s.seq_id: i for i, s in enumerate(out.seqs)}
+        out.forks = [(index[p.seq_id], child) for p, child in parents if p.seq_id not in gone]
+        out.admitted = [s for s in out.admitted if s.seq_id not in gone]
 
     def _fits_cap(self, seq: Sequence) -> bool:
         """Room under max_num_seqs and the admission cap for the seq and its unforked samples (an empty batch has room)."""
@@ -331,16 +369,22 @@ class Scheduler:
             forks_at.setdefault(i, []).append((base + j, child))
         kv = self.kv
         for i, seq in enumerate(batch.seqs):
+            if seq.status is SeqStatus.FINISHED:  # its request failed after the forward (e.g. bad logits)
+                continue
             seq.num_computed_tokens += batch.num_new_tokens[i]
             kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.namespace)
             if result.token_ids[i] is None:
                 continue
-            if forks_at and i in forks_at:
-                for row, child in forks_at[i]:
-                    self._fork(seq, child)
-                    self._append(child, row, result, changed)
-                seq.forks = []
-            self._append(seq, i, result, changed)
+            try:
+                if forks_at and i in forks_at:
+                    for row, child in forks_at[i]:
+                        self._fork(seq, child)
+                        self._append(child, row, result, changed)
+                    seq.forks = []
+                self._append(seq, i, result, changed)
+            except Exception as exc:  # noqa: BLE001 - e.g. detokenizing raised: fail this request, not the step
+                seq.error = exc
+                changed.append(seq)
         if any(s.status is SeqStatus.FINISHED for s in changed):
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return changed

@@ -143,6 +143,14 @@ class AdapterManager:
             del self._retired[rec.slot]
             self._free_slot(rec.slot)
 
+    def reset_pins(self) -> None:
+        """Drop every pin (the engine reset its state: no sequence holds one); retired slots are freed."""
+        for rec in self._resident.values():
+            rec.pins = 0
+        for slot in list(self._retired):
+            del self._retired[slot]
+            self._free_slot(slot)
+
     def is_resident(self, name: str) -> bool:
         """Whether acquire(name) would find the adapter's current version already in a slot."""
         rec = self._resident.get(name)
@@ -160,6 +168,10 @@ class AdapterManager:
     def pinned_count(self) -> int:
         """Number of device slots pinned by at least one sequence."""
         return sum(1 for r in self._resident.values() if r.pins > 0) + len(self._retired)
+
+    def total_pins(self) -> int:
+        """Pins held by running sequences, over every resident and retired device copy."""
+        return sum(r.pins for r in self._resident.values()) + sum(r.pins for r in self._retired.values())
 
     def resident_names(self) -> list[str]:
         """Names holding a device slot, least recently used first."""

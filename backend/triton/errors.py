@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from ..lora.adapter import AdapterError
 from ..lora.manager import AdapterNotFound
-from ..request import EngineOverloaded, InvalidRequest, RequestCancelled
+from ..request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
+
+MAX_MESSAGE_CHARS = 2000
 
 
 def error_code(pb_utils, exc: Exception):
@@ -15,6 +17,7 @@ def error_code(pb_utils, exc: Exception):
         (AdapterError, codes.INVALID_ARG),
         (AdapterNotFound, codes.NOT_FOUND),
         (EngineOverloaded, codes.UNAVAILABLE),
+        (EngineShuttingDown, codes.UNAVAILABLE),
         (RequestCancelled, codes.CANCELLED),
     ):
         if isinstance(exc, kind):
@@ -23,7 +26,8 @@ def error_code(pb_utils, exc: Exception):
 
 
 def error_message(exc: Exception) -> str:
-    """The client-facing message (KeyError subclasses would otherwise be quoted)."""
-    if isinstance(exc, KeyError) and exc.args:
-        return str(exc.args[0])
-    return str(exc) or type(exc).__name__
+    """The client-facing message: KeyError's unquoted, bounded in length, always encodable as UTF-8."""
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc) or type(exc).__name__
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + " ..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

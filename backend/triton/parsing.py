@@ -33,47 +33,57 @@ class GenerateInput:
     tenant: str
 
 
-def _scalar(array) -> object:
+# vllm_backend's exact text (its clients compare it word for word).
+STREAM_ECHO_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+
+
+def _scalar(array, name: str) -> object:
     value = np.asarray(array).reshape(-1)
     if value.size != 1:
-        raise InvalidRequest(f"expected exactly one element, got {value.size}")
+        raise InvalidRequest(f"{name}: expected exactly one element, got {value.size}")
     item = value[0]
-    return item.decode("utf-8") if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
+    if isinstance(item, bytes):
+        try:
+            return item.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(
+                f"{name} is not valid UTF-8 (byte {exc.start}: {exc.reason}); send UTF-8 text"
+            ) from None
+    return item.item() if hasattr(item, "item") else item
 
 
 def _flag(inputs: dict, name: str, default: bool) -> bool:
     if name not in inputs:
         return default
+    return bool(_scalar(inputs[name], name))
+
+
+def _sampling_json(raw) -> dict:
     try:
-        return bool(_scalar(inputs[name]))
-    except InvalidRequest as exc:
-        raise InvalidRequest(f"{name}: {exc}") from None
+        sampling = json.loads(raw) if raw else {}
+    except (ValueError, TypeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {reason}") from None
+    if not isinstance(sampling, dict):
+        raise InvalidRequest("sampling_parameters must be a JSON object")
+    return sampling
 
 
 def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateInput:
     """Validate one request; raises InvalidRequest with a message for the client."""
     if "text_input" not in inputs:
         raise InvalidRequest("missing required input 'text_input'")
-    try:
-        prompt = _scalar(inputs["text_input"])
-    except (InvalidRequest, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"text_input: {exc}") from None
+    prompt = _scalar(inputs["text_input"], "text_input")
     if not isinstance(prompt, str) or not prompt:
         raise InvalidRequest("text_input is empty")
     stream = _flag(inputs, "stream", False)
     # vllm_backend: echo the prompt unless excluded; a streamed response never echoes.
     exclude_input = _flag(inputs, "exclude_input_in_output", stream)
     if stream and not exclude_input:
-        raise InvalidRequest("Streaming with `exclude_input_in_output=False` is not allowed.")
+        raise InvalidRequest(STREAM_ECHO_ERROR)
     sampling: dict = {}
     if "sampling_parameters" in inputs:
-        raw = _scalar(inputs["sampling_parameters"])
-        try:
-            sampling = json.loads(raw) if raw else {}
-        except ValueError as exc:
-            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
-        if not isinstance(sampling, dict):
-            raise InvalidRequest("sampling_parameters must be a JSON object")
+        sampling = _sampling_json(_scalar(inputs["sampling_parameters"], "sampling_parameters"))
     tenant = str(parameters.get("x-tenant-id") or parameters.get("tenant") or "default")
     for key, value in parameters.items():
         if key in SAMPLING_KEYS:

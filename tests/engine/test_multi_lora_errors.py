@@ -172,7 +172,7 @@ def test_broken_adapter_fails_only_its_request(broken):
 def test_unknown_adapter_is_refused_before_queueing(lora_family):
     family = lora_family("llama-gqa")
     engine = _engine(family, {"attn-r4": family.adapters["attn-r4"]})
-    with pytest.raises(AdapterNotFound, match="'nope' not found; available: \\['attn-r4'\\]"):
+    with pytest.raises(AdapterNotFound, match="LoRA nope is not supported, we currently support \\['attn-r4'\\]"):
         engine.make_request("r", "Hello", _greedy(4, "nope"))
     assert not engine.has_work()
 
