@@ -13,7 +13,6 @@ import triton_python_backend_utils as pb_utils
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..metrics import TritonMetrics
-from ..request import EngineOverloaded
 from .errors import error_code
 from .parsing import parse_generate_input
 from .responder import Responder
@@ -94,10 +93,11 @@ class TritonPythonModel:
         )
         try:
             self.engine.add_request(engine_request)
-        except EngineOverloaded:
+        except Exception:  # over max_waiting_requests, or shutting down: answered by execute()
             self.responder.unregister(request_id)
             raise
 
     def finalize(self):
-        self.engine.stop()
+        """Unloading: every request still held ends with UNAVAILABLE, then the threads stop."""
+        self.responder.push(self.engine.shutdown())
         self.responder.stop()

@@ -97,27 +97,51 @@ class Responder:
         next_poll = time.monotonic() + CANCEL_POLL_SECONDS
         while not self.stopping:
             try:
-                batch = self.queue.get(timeout=CANCEL_POLL_SECONDS)
-            except queue.Empty:
-                batch = []
-            if batch is None:
+                next_poll = self._serve_once(next_poll)
+            except Exception:  # noqa: BLE001 - the response thread must never die
+                log.exception("response thread iteration failed")
+
+    def _serve_once(self, next_poll: float) -> float:
+        """Take every pending batch of outputs, send one response per touched request, poll cancellation."""
+        try:
+            batch = self.queue.get(timeout=CANCEL_POLL_SECONDS)
+        except queue.Empty:
+            batch = []
+        if batch is None:
+            self.stopping = True
+            return next_poll
+        batches = [batch]
+        while not self.queue.empty():  # coalesce everything already pending
+            more = self.queue.get_nowait()
+            if more is None:
+                self.stopping = True
                 break
-            batches = [batch]
-            while not self.queue.empty():  # coalesce everything already pending
-                more = self.queue.get_nowait()
-                if more is None:
-                    self.stopping = True
-                    break
-                batches.append(more)
-            touched: dict[str, Pending] = {}
-            for outputs in batches:
-                for out in outputs:
-                    self._absorb(out, touched)
-            for request_id, p in touched.items():
-                self._flush(request_id, p)
-            if time.monotonic() >= next_poll:
-                self._poll_cancelled()
-                next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+            batches.append(more)
+        touched: dict[str, Pending] = {}
+        for outputs in batches:
+            for out in outputs:
+                self._contained(out.request_id, self._absorb, out, touched)
+        for request_id, p in touched.items():
+            self._contained(request_id, self._flush, request_id, p)
+        if time.monotonic() >= next_poll:
+            self._poll_cancelled()
+            next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+        return next_poll
+
+    def _contained(self, request_id: str, action, *args) -> None:
+        """Run one request's action; if it raises, that request alone ends with an error (and is aborted)."""
+        try:
+            action(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("response handling failed for request %s", request_id)
+            self._end_with_error(request_id, exc)
+
+    def _end_with_error(self, request_id: str, exc: Exception) -> None:
+        with self.lock:
+            p = self.pending.pop(request_id, None)
+        if p is not None:
+            self.abort(request_id)
+            self.send_exception(p.sender, exc)
 
     def _absorb(self, out, touched: dict) -> None:
         with self.lock:
@@ -142,16 +166,22 @@ class Responder:
         touched[out.request_id] = p
 
     def _flush(self, request_id: str, p: Pending) -> None:
+        with self.lock:
+            if self.pending.get(request_id) is not p:  # ended meanwhile (an error was sent)
+                return
         done = all(f is not None for f in p.finish)
         if not p.stream and not done:
             return
         if p.stream and not any(p.texts) and not any(p.num_tokens) and not done:
             return
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0
+        response = self._response(p, done)  # raising here ends the request with an error (see _contained)
         try:
-            p.sender.send(self._response(p, done), flags=flags)
-        except Exception:  # the client went away; nothing else to do for it
-            log.exception("send failed for request %s", request_id)
+            p.sender.send(response, flags=flags)
+        except Exception:  # noqa: BLE001 - the client went away: stop generating for it
+            log.warning("send failed for request %s; aborting it", request_id, exc_info=True)
+            if not done:
+                self.abort(request_id)
             done = True
         if done:
             with self.lock:
