@@ -57,6 +57,8 @@ class LlamaModel:
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len or cfg.max_position_embeddings
         self.scale = self.head_dim**-0.5
+        # ops whose kernel cannot serve this model -> why (logged once); they take the torch path
+        self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
         w = load_safetensors(model_dir, dtype, device)
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
