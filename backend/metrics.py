@@ -24,10 +24,12 @@ class TritonMetrics:
         self._generated = make("generation_tokens_total", counter, "Tokens generated, per tenant")
         self._finished = make("request_finished_total", counter,
                               "Requests ended, per tenant and finish reason (stop, length, timeout, abort, error)")
+        self._pins = make("adapter_pins", gauge, "Adapter pins held by running sequences (device slots in use)")
         self._block_gauges = {s: self._blocks.Metric(labels={"state": s}) for s in ("used", "cached", "free")}
         self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting", "swapped")}
         self._preempt_counter = self._preemptions.Metric(labels={})
         self._cap_gauge = self._cap.Metric(labels={})
+        self._pins_gauge = self._pins.Metric(labels={})
         self._counters: dict[tuple, object] = {}
         self._reported: dict[object, float] = {}
 
@@ -40,6 +42,7 @@ class TritonMetrics:
         self._set(self._seq_gauges["waiting"], len(sched.waiting))
         self._set(self._seq_gauges["swapped"], len(sched.swapped))
         self._set(self._cap_gauge, min(sched.cap.value, engine.config.max_num_seqs))
+        self._set(self._pins_gauge, engine.adapters.total_pins())
         self._grow(self._preempt_counter, sched.num_preemptions)
         for family, names, totals in (
             (self._queries, ("tenant",), sched.prefix_query_tokens),

@@ -125,13 +125,13 @@ def test_on_demand_load_and_pins(hf_config, adapters):
     assert mgr.acquire("one") == 0
     assert mgr.loads_from_disk == 1 and mgr.pins("one") == 2 and mgr.pinned_count() == 1
     assert mgr.acquire("two") == 1
-    assert mgr.pinned_count() == 2
+    assert mgr.pinned_count() == 2 and mgr.total_pins() == 3
     assert_slot_holds(mgr.slots, 0, load_peft_adapter(adapters["one"][0], "one", hf_config, 8))
     assert_slot_holds(mgr.slots, 1, load_peft_adapter(adapters["two"][0], "two", hf_config, 8))
     mgr.release("one")
     mgr.release("one")
     mgr.release("two")
-    assert mgr.pinned_count() == 0 and mgr.is_resident("one") and mgr.is_resident("two")
+    assert mgr.pinned_count() == 0 and mgr.total_pins() == 0 and mgr.is_resident("one") and mgr.is_resident("two")
 
 
 def test_lru_eviction_order(hf_config, adapters):
@@ -259,7 +259,7 @@ def test_reregister_while_pinned_retires_old_version(hf_config, adapters, tmp_pa
     mgr.register("x", adapters["two"][0])
     assert mgr.acquire("x") == 1  # new content in a new slot; the running sequence keeps slot 0
     assert_slot_holds(mgr.slots, 0, old)
-    assert mgr.pinned_count() == 2
+    assert mgr.pinned_count() == 2 and mgr.total_pins() == 2  # the retired copy's pin counts too
     with pytest.raises(ValueError, match="pass slot="):
         mgr.release("x")
     mgr.release("x", slot=0)

@@ -1,0 +1,152 @@
+"""Many concurrent gRPC streams against `lora_llm`: one client and stream per request, over worker processes.
+
+Each request runs in its own `tritonclient.grpc` stream (`start_stream` + one
+`async_stream_infer`), so a cancelled one (`stop_stream(cancel_requests=True)`) touches
+nothing else. `run_streams` drives a list of jobs from the calling process; `StreamPool`
+spreads them over spawned worker processes so the client is not the bottleneck.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import queue
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from .generate import build_inputs
+
+FLAGS = {"return_num_output_tokens": True, "return_logprobs": True}
+
+
+@dataclass(slots=True)
+class StreamJob:
+    """One streamed request; `cancel_after` cancels it after that many responses (0: right after sending)."""
+
+    prompt: str
+    params: dict
+    tenant: str | None = None
+    cancel_after: int | None = None
+
+
+@dataclass(slots=True)
+class StreamOutcome:
+    """What one stream got back: token ids (from logprobs), text, token count, FINAL flags, error."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_output_tokens: int = 0
+    responses: int = 0
+    final_count: int = 0
+    error: str | None = None
+    cancelled: bool = False
+
+
+def chosen_token_ids(logprobs_json: str) -> list[int]:
+    """Token ids chosen in one response, from its vllm_backend `logprobs` JSON (the first key per token)."""
+    return [int(next(iter(entry))) for entry in json.loads(logprobs_json) or []]
+
+
+def absorb(outcome: StreamOutcome, result) -> bool:
+    """Add one response to the outcome; True when it carried the FINAL flag."""
+    response = result.get_response()
+    if response.outputs:
+        outcome.responses += 1
+        outcome.text += "".join(v.decode("utf-8") for v in result.as_numpy("text_output")[:1].tolist())
+        counts = result.as_numpy("num_output_tokens")
+        if counts is not None:
+            outcome.num_output_tokens += int(counts[0])
+        logprobs = result.as_numpy("logprobs")
+        if logprobs is not None:
+            outcome.token_ids += chosen_token_ids(logprobs[0])
+    final = response.parameters["triton_final_response"].bool_param
+    outcome.final_count += final
+    return final
+
+
+class _Stream:
+    """One request on its own client and stream; events go to the driver's queue."""
+
+    def __init__(self, grpcclient, url: str, job: StreamJob, events: queue.SimpleQueue, model: str):
+        self.job, self.events, self.outcome = job, events, StreamOutcome()
+        self.ended = False
+        self.client = grpcclient.InferenceServerClient(url)
+        headers = {"x-tenant-id": job.tenant} if job.tenant else None
+        self.client.start_stream(callback=self._on_response, headers=headers)
+        self.client.async_stream_infer(model, build_inputs(grpcclient, job.prompt, job.params, True, **FLAGS),
+                                       request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        if job.cancel_after == 0:
+            events.put(("cancel", self))
+
+    def _on_response(self, result, error) -> None:
+        if self.ended:
+            return
+        if error is not None:
+            self.outcome.error = error.message() if hasattr(error, "message") else str(error)
+            self.events.put(("done", self))
+        elif absorb(self.outcome, result):
+            self.events.put(("done", self))
+        elif self.job.cancel_after is not None and self.outcome.responses == self.job.cancel_after:
+            self.events.put(("cancel", self))
+
+    def close(self, cancel: bool = False) -> None:
+        """End the stream (cancelling its request when asked) and close the client."""
+        if self.ended:
+            return
+        self.ended = True
+        if cancel:
+            self.outcome.cancelled = True
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def run_streams(url: str, jobs: list[StreamJob], timeout: float = 1800.0, model: str = "lora_llm") -> list[StreamOutcome]:
+    """Run every job at once, each on its own stream; outcomes in job order."""
+    import tritonclient.grpc as grpcclient
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    streams = [_Stream(grpcclient, url, job, events, model) for job in jobs]
+    open_count = len(streams)
+    deadline = time.monotonic() + timeout
+    while open_count:
+        try:
+            kind, stream = events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if not stream.ended:
+            stream.close(cancel=kind == "cancel")
+            open_count -= 1
+    for stream in streams:
+        if not stream.ended:
+            stream.outcome.error = f"no final response within {timeout:.0f} s"
+            stream.close(cancel=True)
+    return [s.outcome for s in streams]
+
+
+class StreamPool:
+    """Worker processes that run shares of a job list at the same time (a context manager)."""
+
+    def __init__(self, url: str, procs: int, timeout: float = 1800.0):
+        self.url, self.procs, self.timeout = url, max(1, procs), timeout
+        self.executor = ProcessPoolExecutor(self.procs, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, jobs: list[StreamJob]) -> list[StreamOutcome]:
+        """Run the jobs split round-robin over the workers; outcomes in job order."""
+        shares = [jobs[i :: self.procs] for i in range(self.procs)]
+        futures = [self.executor.submit(run_streams, self.url, share, self.timeout) for share in shares if share]
+        outcomes: list[StreamOutcome | None] = [None] * len(jobs)
+        for i, future in enumerate(futures):
+            outcomes[i :: self.procs] = future.result()
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "StreamPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,55 @@
+"""A short soak through a real tritonserver: benchmarks/soak.py's waves and checks at a small scale.
+
+200 concurrent streams from 10 tenants over 20 adapters with 4 device slots and 8 host
+slots, one wave: every stream exact, then no KV block, adapter pin or queued sequence
+left, the stub's threads back to idle and its RSS flat.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from tritonserver_fixture import make_triton_server_fixture
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+ADAPTERS = 20
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load_soak()
+triton_server = make_triton_server_fixture(
+    engine_config={"max_loras": 4, "max_cpu_loras": 8},
+    adapter_store=lambda store, demo: soak.populate_store(store, soak.build_adapters(demo["model"], ADAPTERS)),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo["model"])
+
+
+def test_short_soak_is_exact_and_leaves_nothing_behind(triton_server, tokenizer):
+    args = soak.parse_args(["--streams", "200", "--tenants", "10", "--adapters", str(ADAPTERS), "--duration", "0",
+                            "--client-procs", "2", "--median-tokens", "8", "--max-tokens", "64"])
+    names = sorted(p.name for p in Path(triton_server.env["LORAPLEX_ADAPTER_STORE"]).iterdir())
+    assert len(names) == ADAPTERS
+    jobs = soak.make_wave(args, names, 0)
+    assert {j.params.get("lora_name") for j in jobs} == {None, *names}  # the base model and every adapter
+    assert max(j.params["max_tokens"] for j in jobs) > 4 * min(j.params["max_tokens"] for j in jobs)
+    report = soak.run_soak(triton_server, args, names, tokenizer, log=lambda *a, **k: None)
+    assert report.violations == []
+    assert (report.waves, report.streams, report.errors) == (1, 200, 0)
+    assert report.tokens == sum(j.params["max_tokens"] for j in jobs)
+    assert report.threads_after == report.threads_idle
