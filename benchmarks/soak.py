@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loraplex.clients.load import StreamJob, StreamOutcome, StreamPool  # noqa: E402
+from loraplex.clients.load import StreamJob, StreamOutcome, StreamPool, first_difference, stream_problem  # noqa: E402
 from loraplex.clients.metrics import scrape, wait_for_metric  # noqa: E402
 from loraplex.tritonserver import cache_dir  # noqa: E402
 
@@ -143,26 +143,18 @@ class Verifier:
 
     def _problem(self, job: StreamJob, out: StreamOutcome) -> str | None:
         want = job.params["max_tokens"]
-        if out.error is not None:
-            return f"error: {out.error}"
-        if out.final_count != 1:
-            return f"{out.final_count} FINAL responses"
-        if out.num_output_tokens != want or len(out.token_ids) != want:
-            return f"num_output_tokens {out.num_output_tokens}, {len(out.token_ids)} token ids; max_tokens {want}"
-        if out.text != self.tokenizer.decode(out.token_ids, skip_special_tokens=True):
-            return "text deltas do not concatenate to the decoded token ids"
+        problem = stream_problem(out, want, self.tokenizer)
+        if problem:
+            return problem
         key = (job.prompt, job.params.get("lora_name"))
         seen = self.longest.get(key, [])
         n = min(len(seen), want)
         if seen[:n] != out.token_ids[:n]:
-            return f"token ids differ from another stream of the same prompt and adapter at {_first_diff(seen, out.token_ids)}"
+            at = first_difference(seen, out.token_ids)
+            return f"token ids differ from another stream of the same prompt and adapter at {at}"
         if want > len(seen):
             self.longest[key] = out.token_ids
         return None
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 # ---- the server's Python stub ------------------------------------------------------------

@@ -66,6 +66,26 @@ def absorb(outcome: StreamOutcome, result) -> bool:
     return final
 
 
+def stream_problem(outcome: StreamOutcome, max_tokens: int, tokenizer=None, expected: list[int] | None = None) -> str | None:
+    """Why a stream owed exactly `max_tokens` tokens (the `expected` ids, if given) is not exact; None when it is."""
+    if outcome.error is not None:
+        return f"error: {outcome.error}"
+    if outcome.final_count != 1:
+        return f"{outcome.final_count} FINAL responses"
+    if outcome.num_output_tokens != max_tokens or len(outcome.token_ids) != max_tokens:
+        return f"num_output_tokens {outcome.num_output_tokens}, {len(outcome.token_ids)} token ids; max_tokens {max_tokens}"
+    if tokenizer is not None and outcome.text != tokenizer.decode(outcome.token_ids, skip_special_tokens=True):
+        return "text deltas do not concatenate to the decoded token ids"
+    if expected is not None and outcome.token_ids != expected:
+        return f"token ids differ from the expected ones at {first_difference(outcome.token_ids, expected)}"
+    return None
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first position where two id lists differ (or the shorter length)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class _Stream:
     """One request on its own client and stream; events go to the driver's queue."""
 
@@ -74,9 +94,14 @@ class _Stream:
         self.ended = False
         self.client = grpcclient.InferenceServerClient(url)
         headers = {"x-tenant-id": job.tenant} if job.tenant else None
-        self.client.start_stream(callback=self._on_response, headers=headers)
-        self.client.async_stream_infer(model, build_inputs(grpcclient, job.prompt, job.params, True, **FLAGS),
-                                       request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        try:
+            self.client.start_stream(callback=self._on_response, headers=headers)
+            self.client.async_stream_infer(model, build_inputs(grpcclient, job.prompt, job.params, True, **FLAGS),
+                                           request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        except Exception as exc:  # noqa: BLE001 - a stream that cannot start is one failed outcome
+            self.outcome.error = f"could not start the stream: {exc}"
+            events.put(("done", self))
+            return
         if job.cancel_after == 0:
             events.put(("cancel", self))
 
