@@ -134,7 +134,10 @@ BAD_INPUTS = [
     ("top_p zero", "Hi", {"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
     ("top_p above one", "Hi", {"top_p": 1.01}, "top_p must be in (0, 1], got 1.01"),
     ("too long", "Hi", {"max_tokens": 1022}, "prompt has 3 tokens and max_tokens is 1022: 1025 exceeds the model's max length 1024"),
-    ("unknown adapter", "Hi", {"lora_name": "no-such-adapter"}, "LoRA adapter 'no-such-adapter' not found"),
+    ("unknown adapter", "Hi", {"lora_name": "no-such-adapter"},
+     "LoRA no-such-adapter is not supported, we currently support ['demo-a', 'demo-b', 'demo-c']"),
+    ("seed beyond int64", "Hi", {"seed": 2**64}, "'seed' has value 18446744073709551616"),
+    ("not UTF-8", b"\xff\xfeHi", None, "text_input is not valid UTF-8 (byte 0: invalid start byte)"),
 ]
 
 
@@ -144,7 +147,7 @@ def test_bad_input_gets_a_final_error_and_the_server_keeps_serving(triton_server
     inputs = []
     if prompt is not None:
         t = grpcclient.InferInput("text_input", [1], "BYTES")
-        t.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+        t.set_data_from_numpy(np.array([prompt if isinstance(prompt, bytes) else prompt.encode()], dtype=object))
         inputs.append(t)
     if params is not None:
         t = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
@@ -173,12 +176,13 @@ def _stream_flag(value):
 
 def test_streaming_with_echo_is_refused_as_vllm_backend_does(triton_server):
     result = stream_generate(triton_server.grpc_url, "Hi", {"max_tokens": 3}, exclude_input_in_output=False)
-    assert "exclude_input_in_output=False" in str(result.error)
+    assert result.error.message() == (
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.")
 
 
 def test_http_errors_carry_the_message(triton_server):
     r = http_generate(triton_server, {"text_input": "Hi", "parameters": {"lora_name": "nope"}})
-    assert r.status_code in (400, 404) and "LoRA adapter 'nope' not found" in r.json()["error"]
+    assert r.status_code in (400, 404) and "LoRA nope is not supported" in r.json()["error"]
     r = http_generate(triton_server, {"text_input": "Hi", "parameters": {"max_tokens": 0}})
     assert r.status_code == 400 and "max_tokens must be >= 1" in r.json()["error"]
 
