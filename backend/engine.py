@@ -285,6 +285,7 @@ class LLMEngine:
         """The request's n samples, ready to queue (sample 0 carries the others as forks)."""
         params = request.params
         if params.lora_name:
+            self.adapters.refresh(params.lora_name)  # changed or deleted on disk: new requests see it
             request.adapter_digest = self.adapters.digest(params.lora_name)
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)

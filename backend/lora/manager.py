@@ -7,6 +7,8 @@ the least recently used unpinned adapter when the slots are full; release() unpi
 
 Re-registering a name drops its host copy and marks its device copy stale; the next
 acquire() re-reads the folder and reuses the slot only if the content digest is unchanged.
+refresh() does the same when the adapter's files changed or vanished on disk since they
+were read (inode, size, mtime), so new requests see the store as it is now.
 A device copy replaced (or unregistered) while pinned is retired: it keeps its slot for
 the sequences still using it and frees the slot when the last of them releases it.
 
@@ -17,18 +19,28 @@ loads run on the calling thread.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .adapter import LoraAdapter, load_peft_adapter
+from .adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
 from .slots import LoraSlots
 
 
 class AdapterNotFound(KeyError):
     """No adapter is registered under this name."""
+
+
+def files_signature(path: Path) -> tuple | None:
+    """(inode, size, mtime) of an adapter folder's two files; None when one is missing."""
+    try:
+        return tuple((st.st_ino, st.st_size, st.st_mtime_ns)
+                     for st in (os.stat(path / CONFIG_FILE), os.stat(path / WEIGHTS_FILE)))
+    except OSError:
+        return None
 
 
 @dataclass(slots=True)
@@ -58,6 +70,7 @@ class AdapterManager:
         self.evictions = 0
         self.host_evictions = 0
         self._paths: dict[str, Path] = {}
+        self._signatures: dict[str, tuple | None] = {}  # files as last read from disk
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
         self._retired: dict[int, _Resident] = {}  # slot -> replaced version still pinned
@@ -71,6 +84,7 @@ class AdapterManager:
             raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
         existed = name in self._paths
         self._paths[name] = Path(path)
+        self._signatures.pop(name, None)
         if existed:
             self._host.pop(name, None)
             rec = self._resident.get(name)
@@ -81,10 +95,17 @@ class AdapterManager:
         """Forget an adapter; a device copy still pinned keeps its slot until released."""
         self._path(name)
         del self._paths[name]
+        self._signatures.pop(name, None)
         self._host.pop(name, None)
         rec = self._resident.pop(name, None)
         if rec is not None:
             self._retire(rec)
+
+    def refresh(self, name: str) -> None:
+        """If the adapter's files changed or vanished since they were read, drop the cached copies (as register)."""
+        path = self._path(name)
+        if name in self._signatures and files_signature(path) != self._signatures[name]:
+            self.register(name, path)
 
     def names(self) -> list[str]:
         """Registered adapter names, sorted."""
@@ -199,7 +220,9 @@ class AdapterManager:
         if adapter is not None:
             self._host.move_to_end(name)
             return adapter
+        signature = files_signature(self._paths[name])  # before reading: a change while reading shows next time
         adapter = load_peft_adapter(self._paths[name], name, self.hf_config, self.max_lora_rank, self.dtype)
+        self._signatures[name] = signature
         self.loads_from_disk += 1
         if self.max_cpu_loras > 0:
             self._host[name] = adapter

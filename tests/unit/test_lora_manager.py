@@ -239,6 +239,33 @@ def test_reregister_with_changed_content_changes_digest(hf_config, adapters, tmp
     assert_slot_holds(mgr.slots, 0, load_peft_adapter(adapters["four"][0], "x", hf_config, 8))
 
 
+def test_refresh_sees_files_changed_or_deleted_on_disk(hf_config, adapters, tmp_path):
+    folder = tmp_path / "a"
+    shutil.copytree(adapters["one"][0], folder)
+    mgr = new_manager(hf_config, adapters, names=())
+    mgr.register("x", folder)
+    old = mgr.digest("x")
+    assert mgr.acquire("x") == 0  # a running sequence pins the version it started with
+    mgr.refresh("x")
+    assert mgr.is_resident("x") and mgr.loads_from_disk == 1  # unchanged files: nothing re-read
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:100])  # garbled behind its back
+    mgr.refresh("x")
+    with pytest.raises(AdapterError, match="not a valid safetensors file"):
+        mgr.digest("x")
+    assert_slot_holds(mgr.slots, 0, load_peft_adapter(adapters["one"][0], "x", hf_config, 8))  # still serves the pin
+    shutil.rmtree(folder)
+    mgr.refresh("x")
+    with pytest.raises(AdapterError, match="does not exist"):
+        mgr.digest("x")
+    shutil.copytree(adapters["one"][0], folder)  # restored: served again, in its old slot
+    mgr.refresh("x")
+    assert mgr.digest("x") == old and mgr.acquire("x") == 0
+    mgr.release("x")
+    mgr.release("x")
+    assert mgr.total_pins() == 0
+
+
 def test_reregister_unchanged_content_keeps_slot(hf_config, adapters):
     mgr = new_manager(hf_config, adapters)
     assert mgr.acquire("one") == 0
