@@ -87,8 +87,9 @@ def build_adapters(model_dir, count: int, root: Path | None = None) -> list[Path
         model = AutoModelForCausalLM.from_pretrained(model_dir).float()
         for i in missing:
             tmp = folder / f".tmp-{os.getpid()}-{i}"
-            build_peft_adapter(model_dir, tmp, r=RANKS[i // 3 % 3], alpha=2 * RANKS[i // 3 % 3], target_modules=TARGETS[i % 3],
-                               seed=1000 + i, use_rslora=i % 5 == 0, model=model)
+            rank = RANKS[i // 3 % 3]
+            build_peft_adapter(model_dir, tmp, r=rank, alpha=2 * rank, target_modules=TARGETS[i % 3], seed=1000 + i,
+                               use_rslora=i % 5 == 0, model=model)
             os.replace(tmp, paths[i])  # complete adapters only: a killed build leaves a .tmp folder
     return paths
 

@@ -66,14 +66,16 @@ def absorb(outcome: StreamOutcome, result) -> bool:
     return final
 
 
-def stream_problem(outcome: StreamOutcome, max_tokens: int, tokenizer=None, expected: list[int] | None = None) -> str | None:
+def stream_problem(outcome: StreamOutcome, max_tokens: int, tokenizer=None,
+                   expected: list[int] | None = None) -> str | None:
     """Why a stream owed exactly `max_tokens` tokens (the `expected` ids, if given) is not exact; None when it is."""
     if outcome.error is not None:
         return f"error: {outcome.error}"
     if outcome.final_count != 1:
         return f"{outcome.final_count} FINAL responses"
     if outcome.num_output_tokens != max_tokens or len(outcome.token_ids) != max_tokens:
-        return f"num_output_tokens {outcome.num_output_tokens}, {len(outcome.token_ids)} token ids; max_tokens {max_tokens}"
+        return (f"num_output_tokens {outcome.num_output_tokens}, {len(outcome.token_ids)} token ids; "
+                f"max_tokens {max_tokens}")
     if tokenizer is not None and outcome.text != tokenizer.decode(outcome.token_ids, skip_special_tokens=True):
         return "text deltas do not concatenate to the decoded token ids"
     if expected is not None and outcome.token_ids != expected:
@@ -127,7 +129,8 @@ class _Stream:
         self.client.close()
 
 
-def run_streams(url: str, jobs: list[StreamJob], timeout: float = 1800.0, model: str = "lora_llm") -> list[StreamOutcome]:
+def run_streams(url: str, jobs: list[StreamJob], timeout: float = 1800.0,
+                model: str = "lora_llm") -> list[StreamOutcome]:
     """Run every job at once, each on its own stream; outcomes in job order."""
     import tritonclient.grpc as grpcclient
 

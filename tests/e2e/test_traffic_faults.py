@@ -40,7 +40,8 @@ def fault_store(store: Path, demo) -> Path:
     return store
 
 
-traffic_server = make_triton_server_fixture(adapter_store=fault_store, engine_config={"max_loras": 4, "max_cpu_loras": 2})
+traffic_server = make_triton_server_fixture(adapter_store=fault_store,
+                                            engine_config={"max_loras": 4, "max_cpu_loras": 2})
 tiny_kv_server = make_triton_server_fixture(engine_config={"num_kv_blocks": TINY_BLOCKS, "max_num_seqs": 16},
                                             scope="function")
 
@@ -117,7 +118,8 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
     refs = {(p, lora): reference(traffic_server, demo, tokenizer, p, lora, 48) for p in PROMPTS for lora in LORAS}
 
     seen: list[tuple[int, int]] = []
-    threads = [threading.Thread(target=close_http_stream_after, args=(traffic_server, *job, seen)) for job in http_closes]
+    threads = [threading.Thread(target=close_http_stream_after, args=(traffic_server, *job, seen))
+               for job in http_closes]
     for t in threads:
         t.start()
     outcomes = run_streams(traffic_server.grpc_url, grpc_jobs, timeout=600)
@@ -140,7 +142,8 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
     started = sum(1 for job, _ in cancels if job.cancel_after) + sum(1 for _, _, e in http_closes if e)
     aborted = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="abort")
     assert started <= aborted <= len(cancelled)
-    assert scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="error") is None
+    errors = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="error")
+    assert errors is None
 
 
 # ---- 2. KV exhaustion ------------------------------------------------------------------------
