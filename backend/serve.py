@@ -2,12 +2,14 @@
 
 Builds the offline demo model on first use (unless ``--model-dir`` is given), starts
 ``tritonserver`` in its own process group, waits until it is ready, prints how to call
-it, streams its log, and stops it cleanly on Ctrl-C.
+it, streams its log, restarts it if its Python-backend stub dies, and stops it cleanly
+on Ctrl-C or SIGTERM (repeats are ignored; the stop always finishes).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import signal
@@ -15,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
+from loraplex.tritonserver import (TritonServer, TritonServerError, cache_dir, engine_env, process_running,
+                                  project_root)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP, EXITED, STOPPING, DEAD_STUB = "stop", "exited", "stopping", "dead stub"  # why _watch returned
 
 
 def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
@@ -76,6 +82,117 @@ class _LogFollower:
             self.pos += len(data)
             self.out.write(data.decode("utf-8", errors="replace"))
             self.out.flush()
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag that the serving loop polls; repeats change nothing.
+
+    No exception is raised from the handler, so a signal can never cut the shutdown short
+    (GNU make forwards SIGTERM to its child, so `make serve` stopped with SIGTERM sends
+    it twice) nor land between starting tritonserver and recording its pid.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "_StopRequest":
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: float) -> bool:
+    """Wait until the server is ready (True) or a stop is requested (False); raise if it fails."""
+    deadline = time.monotonic() + timeout
+    while not server.is_ready():
+        if follower:
+            follower.pump()
+        if stop:
+            return False
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            if follower:
+                follower.pump()
+            what = (f"exited with code {server.proc.returncode}" if server.proc.poll() is not None
+                    else f"was not ready after {timeout:.0f}s")
+            raise TritonServerError(f"tritonserver {what}; last log lines:\n{server.log_tail()}")
+        time.sleep(0.2)
+    if follower:
+        follower.pump()
+    return True
+
+
+def _watch(server: TritonServer, follower, stop: _StopRequest) -> tuple[str, list[int]]:
+    """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs."""
+    stubs, probed = server.stubs(), time.monotonic()
+    reason, dead = STOP, []
+    while not stop:
+        if server.proc.poll() is not None:
+            reason = EXITED
+            break
+        dead = [pid for pid in stubs if not process_running(pid)]
+        if dead:
+            reason = DEAD_STUB
+            break
+        if time.monotonic() - probed > 1.0:
+            probed = time.monotonic()
+            if not server.http_listening():
+                reason = STOPPING
+                break
+        if follower:
+            follower.pump()
+        time.sleep(0.25)
+    if follower:
+        follower.pump()
+    return reason, dead
+
+
+def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_name: str | None,
+          quiet: bool = False) -> int:
+    """Run the server until a stop is requested (0) or it stops on its own (1), restarting it whenever a stub dies.
+
+    Triton 2.51 never restarts the stub of a decoupled model: after it dies, the server
+    stays live and ready, every new request fails with "Stub process ... is not
+    healthy" and in-flight streams hang until the server exits. So a dead stub costs a
+    restart of tritonserver on the same ports; in-flight streams end with UNAVAILABLE.
+    A server told to stop by someone else (its HTTP port closes first) gets
+    ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
+    """
+    follower = None
+    for run in itertools.count():
+        if stop:
+            return 0
+        server.start()
+        print(f"loraplex-serve: starting tritonserver (pid {server.pid}, log {server.log_path})", file=sys.stderr)
+        follower = follower or (None if quiet else _LogFollower(server.log_path))
+        if not _wait_ready(server, follower, stop, ready_timeout):
+            return 0
+        if run == 0:
+            print("\n" + usage_text(server, lora_name), flush=True)
+        else:
+            print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
+        reason, dead = _watch(server, follower, stop)
+        if reason == STOP:
+            return 0
+        if reason == STOPPING:
+            print("loraplex-serve: tritonserver is shutting down (signalled by someone else)", file=sys.stderr)
+            server.stop(grace=server.exit_timeout_secs + 5)
+        if reason in (STOPPING, EXITED):
+            print(f"loraplex-serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
+            return 1
+        print(f"loraplex-serve: Python-backend stub {', '.join(map(str, dead))} died (Triton does not restart it); "
+              "restarting tritonserver", file=sys.stderr, flush=True)
+        server.stop(grace=0)  # nothing the dead stub held can finish
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,50 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
     )
-    # Ctrl-C and SIGTERM both end the loop below; the server is stopped in `finally`.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    rc = 0
-    follower = None
-    try:
-        server.start()
-        print(f"loraplex-serve: starting tritonserver (pid {server.pid}, log {server.log_path})",
-              file=sys.stderr)
-        follower = None if args.quiet else _LogFollower(server.log_path)
-        deadline = time.monotonic() + args.ready_timeout
-        while not server.is_ready():
-            if follower:
-                follower.pump()
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                if follower:
-                    follower.pump()
-                what = (f"exited with code {server.proc.returncode}" if server.proc.poll() is not None
-                        else f"was not ready after {args.ready_timeout:.0f}s")
-                print(f"\nloraplex-serve: tritonserver {what}; last log lines:\n{server.log_tail()}",
-                      file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        if follower:
-            follower.pump()
-        print("\n" + usage_text(server, lora_name), flush=True)
-        while server.proc.poll() is None:
-            if follower:
-                follower.pump()
-            time.sleep(0.25)
-        if follower:
-            follower.pump()
-        print(f"loraplex-serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
-        rc = 1
-    except KeyboardInterrupt:
-        print("\nloraplex-serve: stopping tritonserver ...", file=sys.stderr, flush=True)
-    except TritonServerError as exc:
-        print(f"loraplex-serve: {exc}", file=sys.stderr)
-        rc = 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
-        server.stop(grace=10)
-        if follower:
-            follower.pump()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    rc = 1
+    with _StopRequest() as stop:
+        try:
+            rc = serve(server, stop, args.ready_timeout, lora_name, quiet=args.quiet)
+        except TritonServerError as exc:
+            print(f"\nloraplex-serve: {exc}", file=sys.stderr)
+        finally:
+            if stop:
+                print("\nloraplex-serve: stopping tritonserver ...", file=sys.stderr, flush=True)
+            server.stop(grace=10)
     return rc
 
 

@@ -23,6 +23,7 @@ build as the virtualenv instead of whatever ``libpython3.X.so`` the system has.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -225,6 +227,135 @@ def _tail(path: Path, max_bytes: int = 8000) -> str:
 
 _PORT_IN_USE = ("already in use",)
 
+# ---- processes: /proc, the parent-death signal, the group guard ---------------------
+
+STUB_COMM = "triton_python_b"  # /proc/<pid>/comm of triton_python_backend_stub (15 characters)
+SHM_PREFIX = "triton_python_backend_shm_region_"  # the stub's argv[2]; a file in /dev/shm
+DEATH_SIGNAL = signal.SIGTERM  # why SIGTERM: docs/architecture.md, "Decisions and departures"
+_PR_SET_PDEATHSIG = 1
+_GUARD_DONE = b"stopped"
+
+
+@dataclass(slots=True, frozen=True)
+class ProcInfo:
+    """One process as ``/proc/<pid>/stat`` shows it."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+
+    @property
+    def running(self) -> bool:
+        """Not a zombie (a zombie holds no memory, ports or files)."""
+        return self.state not in ("Z", "X")
+
+
+def proc_info(pid: int) -> ProcInfo | None:
+    """``/proc/<pid>/stat`` parsed; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return ProcInfo(pid, comm, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+
+
+def processes() -> list[ProcInfo]:
+    """Every process in ``/proc`` right now."""
+    found = (proc_info(int(e)) for e in os.listdir("/proc") if e.isdigit())
+    return [p for p in found if p is not None]
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    info = proc_info(pid)
+    return info is not None and info.running
+
+
+def shm_region(pid: int) -> str | None:
+    """The shared-memory region a live Python-backend stub was given (its argv[2])."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    return argv[2].decode() if len(argv) > 2 and argv[2].startswith(SHM_PREFIX.encode()) else None
+
+
+def _stub_shm_regions(pgid: int) -> list[str]:
+    """Shared-memory regions of the live Python-backend stubs in process group ``pgid``."""
+    stubs = (p.pid for p in processes() if p.pgid == pgid and p.comm == STUB_COMM and p.running)
+    return [r for r in map(shm_region, stubs) if r]
+
+
+def kill_group(pgid: int, regions: Iterable[str] = (), timeout: float = 5.0) -> None:
+    """SIGKILL process group ``pgid``, wait until it is empty, then unlink the stubs' ``regions``.
+
+    A SIGKILLed stub or server never unlinks its /dev/shm region, so each one would leak
+    (1 MiB and up, in RAM). Call only while the group has members: a pgid cannot be
+    reused while any process (zombies too) still carries it.
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + timeout
+    while any(p.pgid == pgid and p.running for p in processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    unlink_shm(regions)
+
+
+def unlink_shm(regions: Iterable[str]) -> None:
+    """Remove these shared-memory regions from /dev/shm (those already gone are skipped)."""
+    for name in regions:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+
+
+def _die_with_parent(sig: int):
+    """A ``preexec_fn`` asking the kernel for ``sig`` when the forking thread ends.
+
+    Resolved before the fork (the child only calls prctl); if the parent is already gone
+    by then, the child signals itself.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def _guard_main(pgid: int, grace: float) -> None:
+    """The guard: wait for the launcher to go; if it went without stopping the server, end the group.
+
+    Its stdin is a pipe whose only writer is the launcher, so EOF means the launcher
+    process is gone, however it ended. It sends the server ``DEATH_SIGNAL`` (graceful), waits
+    up to ``grace`` s for it to exit, then kills the whole group: Python-backend stubs whose
+    parent dies while our model is sending deadlock in Triton 2.51 and never exit.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.stdin.buffer.read() == _GUARD_DONE or not any(p.pgid == pgid for p in processes()):
+        return
+    regions = _stub_shm_regions(pgid)
+    try:
+        os.kill(pgid, DEATH_SIGNAL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while process_running(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kill_group(pgid, regions)
+
 
 @dataclass
 class TritonServer:
@@ -233,6 +364,11 @@ class TritonServer:
     ``with TritonServer(model_repository="model_repository", env={...}) as srv:`` starts
     the server and waits until ``/v2/health/ready``; leaving the block stops it.
     Ports left ``None`` are picked free (and re-picked if a port was taken meanwhile).
+
+    The server does not outlive its launcher: started from the main thread it gets
+    ``DEATH_SIGNAL`` from the kernel when the launcher dies (PR_SET_PDEATHSIG fires when
+    the forking *thread* ends, so other threads skip it), and a guard process ends the
+    whole group, stubs included, ``exit_timeout_secs + 5`` s later at the latest.
     """
 
     model_repository: str | os.PathLike
@@ -251,6 +387,9 @@ class TritonServer:
     proc: subprocess.Popen | None = field(default=None, init=False)
     _auto_ports: bool = field(default=False, init=False)
     _log_file: object = field(default=None, init=False, repr=False)
+    _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _regions: set[str] = field(default_factory=set, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     # ---- addresses -------------------------------------------------------------
     @property
@@ -308,8 +447,10 @@ class TritonServer:
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> "TritonServer":
         """Launch tritonserver in a new session (its own process group); does not wait."""
-        if self.proc is not None and self.proc.poll() is None:
-            raise TritonServerError("already running")
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                raise TritonServerError("already running")
+            self.stop(grace=0)  # what the last run left: stubs, the guard
         self.install = self.install or find_triton()
         backends = prepare_backends(self.install)
         if None in (self.http_port, self.grpc_port, self.metrics_port):
@@ -328,10 +469,20 @@ class TritonServer:
         env = server_env(self.install, self.env)
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        on_main_thread = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
             stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent(DEATH_SIGNAL) if on_main_thread else None,
         )
+        self._stopped = False
+        try:
+            guard = [sys.executable, "-I", "-S", __file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5)]
+            self._guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                           stderr=self._log_file, start_new_session=True)
+        except OSError:
+            self.stop(grace=0)
+            raise
         return self
 
     def is_ready(self) -> bool:
@@ -341,6 +492,16 @@ class TritonServer:
                 return r.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def http_listening(self) -> bool:
+        """Whether the HTTP port still has a listener: Triton closes it first thing when it shuts down."""
+        try:
+            with socket.create_connection((self.host, self.http_port), timeout=1):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # slow or unreachable is not "gone"
+            return True
 
     def log_tail(self, max_bytes: int = 8000) -> str:
         """The last part of the server log."""
@@ -360,6 +521,7 @@ class TritonServer:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             if self.is_ready():
+                self.stubs()
                 return self
             if time.monotonic() > deadline:
                 raise TritonServerError(
@@ -382,24 +544,40 @@ class TritonServer:
                     raise
         raise AssertionError("unreachable")
 
-    def _group_alive(self) -> bool:
-        if self.proc is None:
-            return False
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    def stubs(self) -> list[int]:
+        """Pids of the server's live Python-backend stubs (its children); remembers their shm regions.
 
-    def _reap_group(self) -> None:
+        A stub that dies loses its command line, so ``stop()`` unlinks the regions seen here.
+        """
         if self.proc is None:
+            return []
+        pids = [p.pid for p in processes() if p.ppid == self.proc.pid and p.comm == STUB_COMM and p.running]
+        self._regions.update(r for r in map(shm_region, pids) if r)
+        return pids
+
+    def _group_alive(self) -> bool:
+        return self.proc is not None and not self._stopped and any(p.pgid == self.proc.pid for p in processes())
+
+    def _reap_group(self, regions: Iterable[str] = ()) -> None:
+        if self._group_alive():
+            kill_group(self.proc.pid, regions)
+        else:
+            unlink_shm(regions)
+
+    def _release_guard(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            guard.stdin.write(_GUARD_DONE)
+            guard.stdin.close()
+        except OSError:
             pass
+        try:
+            guard.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - the guard exits on EOF
+            guard.kill()
+            guard.wait()
 
     def stop(self, grace: float = 10.0) -> int | None:
         """Stop gracefully (SIGINT to the server), then SIGKILL its whole process group after ``grace`` s.
@@ -407,12 +585,15 @@ class TritonServer:
         SIGINT goes to the server alone: it unloads the models, which tells each Python
         stub to run ``finalize`` and exit. Whatever of the group is left after ``grace``
         seconds (a server waiting on a crashed or stuck stub for ``--exit-timeout-secs``,
-        orphaned stubs) is killed with SIGKILL. Returns the server's exit code.
+        stubs stuck after the server died) is killed with SIGKILL and the stubs'
+        shared-memory regions are unlinked. Returns the server's exit code; calling it
+        again does nothing (the group's id may belong to someone else by then).
         """
         proc = self.proc
-        if proc is None:
-            return None
+        if proc is None or self._stopped:
+            return None if proc is None else proc.returncode
         try:
+            regions = self._regions.union(_stub_shm_regions(proc.pid) if self._group_alive() else ())
             if proc.poll() is None:
                 try:
                     os.kill(proc.pid, signal.SIGINT)
@@ -422,17 +603,17 @@ class TritonServer:
                     proc.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     pass
-            # Anything left in the group (the server past its grace, orphaned stubs) dies now.
-            self._reap_group()
+            # Anything left in the group (the server past its grace, stuck stubs) dies now.
+            self._reap_group(regions)
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
                 pass
-            deadline = time.monotonic() + 5
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._stopped = True
+            self._regions.clear()
             return proc.returncode
         finally:
+            self._release_guard()
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
@@ -456,3 +637,7 @@ def engine_env(model_dir: str | os.PathLike | None = None, adapter_store: str | 
         env["LORAPLEX_ENGINE_CONFIG"] = engine_config if isinstance(engine_config, str) \
             else json.dumps(dict(engine_config))
     return env
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:  # the guard process (TritonServer.start)
+    _guard_main(int(sys.argv[2]), float(sys.argv[3]))

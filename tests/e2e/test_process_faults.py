@@ -1,0 +1,65 @@
+"""Process faults under load against a real tritonserver run by loraplex-serve: a killed stub, SIGTERM to the server.
+
+What Triton 2.51 does on its own (measured; docs/architecture.md): a decoupled model's dead
+stub is never restarted, its in-flight streams hang until the server exits, and the server
+stays ready. On SIGTERM it lets in-flight streams run for --exit-timeout-secs without
+calling the model's finalize(), then exits, often crashing in libtriton_python.so, and
+sometimes hangs in its crash handler; the launcher bounds both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, start_streams, wait_ended,
+                                  wait_gone)
+
+from loraplex.clients.generate import stream_generate
+from loraplex.tritonserver import STUB_COMM, shm_region
+
+BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
+CLEAR = ("UNAVAILABLE", "shutting down")  # gRPC status of a dropped stream; the model's own shutdown error
+
+
+def _one_ending(stream) -> tuple:
+    """The single event that ended ``stream``, checked to be its last."""
+    assert len(stream.endings) == 1 and stream.events[-1] is stream.endings[0], stream.events[-3:]
+    return stream.endings[0]
+
+
+def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_path, demo):
+    with launcher_under_load(tmp_path, demo["model"], n=4) as (launcher, server, streams):
+        stub = next(p.pid for p in descendants(server.pid) if p.comm == STUB_COMM)
+        region = shm_region(stub)
+        os.kill(stub, signal.SIGKILL)
+        wait_ended(streams, timeout=30)  # without the launcher's restart they would hang until the server exits
+        for s in streams:
+            kind, _, text = _one_ending(s)
+            assert kind == "error" and "UNAVAILABLE" in text, text
+        again = launcher.wait_serving(not_pid=server.pid)
+        result = stream_generate(launcher.grpc_url, "Hello", {"max_tokens": 4, "ignore_eos": True, "temperature": 0},
+                                 return_num_output_tokens=True)
+        assert result.error is None and result.final_count == 1
+        assert sum(r["num_output_tokens"][0] for r in result.responses) == 4
+        assert f"Python-backend stub {stub} died" in launcher.stderr()
+        wait_gone({server.pid}, timeout=10)  # the old server and its dead stub are gone ...
+        assert not Path("/dev/shm", region).exists()  # ... and so is the dead stub's shared memory
+        assert any(p.comm == STUB_COMM for p in descendants(again.pid))
+
+
+def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_timeout(tmp_path, demo):
+    with launcher_under_load(tmp_path, demo["model"], n=3) as (launcher, server, long):
+        short = start_streams(launcher.grpc_url, 2, max_tokens=150, prefix="short")  # may finish in the timeout
+        sessions = launcher.sessions()
+        t0 = time.monotonic()
+        os.kill(server.pid, signal.SIGTERM)
+        wait_ended(long + short, timeout=BOUND)
+        for s in long + short:
+            kind, at, text = _one_ending(s)
+            assert at - t0 < BOUND
+            assert kind == "final" or any(c in text for c in CLEAR), text
+        assert launcher.proc.wait(timeout=BOUND) == 1  # it stops with its server
+        wait_gone(sessions, timeout=10)
