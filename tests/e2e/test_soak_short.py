@@ -7,26 +7,15 @@ left, the stub's threads back to idle and its RSS flat.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from scripts import load_benchmark
 from tritonserver_fixture import make_triton_server_fixture
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 ADAPTERS = 20
 
-
-def _load_soak():
-    spec = importlib.util.spec_from_file_location("soak_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+soak = load_benchmark("soak")
 triton_server = make_triton_server_fixture(
     engine_config={"max_loras": 4, "max_cpu_loras": 8},
     adapter_store=lambda store, demo: soak.populate_store(store, soak.build_adapters(demo["model"], ADAPTERS)),

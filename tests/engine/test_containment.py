@@ -52,14 +52,24 @@ def request(engine: LLMEngine, rid: str, prompt: str, lora: str | None = None, *
     return engine.make_request(rid, prompt, sampling)
 
 
-def run(engine: LLMEngine, outputs: dict, max_steps: int = 2000) -> dict:
-    """Step until idle, collecting outputs per request id."""
-    for _ in range(max_steps):
-        if not engine.has_work():
+def run(engine: LLMEngine, outputs: dict, steps: int | None = None) -> dict:
+    """Step `steps` times, or until idle, collecting outputs per request id."""
+    for _ in range(steps or 2000):
+        if steps is None and not engine.has_work():
             return outputs
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("engine did not drain")
+    assert steps is not None, "engine did not drain"
+    return outputs
+
+
+def collect(delivered: queue.SimpleQueue, num_finals: int) -> dict:
+    """Outputs the loop thread delivered, per request id, until num_finals final ones arrived."""
+    outputs: dict = {}
+    while len([o for outs in outputs.values() for o in outs if o.finished]) < num_finals:
+        out = delivered.get(timeout=60)
+        outputs.setdefault(out.request_id, []).append(out)
+    return outputs
 
 
 def assert_exact(engine, outputs: dict, rid: str, prompt: str, lora: str | None, reference) -> None:
@@ -75,6 +85,13 @@ def assert_failed_once(outputs: dict, rid: str, message: str) -> None:
     assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished, outs
     assert [o.error is not None for o in outs] == [False] * (len(outs) - 1) + [True]
     assert message in str(outs[-1].error)
+
+
+def assert_good_and_idle(engine: LLMEngine, outputs: dict, jobs, reference) -> None:
+    """Every good job equals peft exactly, and the engine holds nothing."""
+    for rid, prompt, lora in jobs:
+        assert_exact(engine, outputs, rid, prompt, lora, reference)
+    assert_idle(engine)
 
 
 def assert_idle(engine: LLMEngine) -> None:
@@ -105,18 +122,13 @@ def test_a_newcomer_that_breaks_the_forward_fails_alone(engine_factory, referenc
         return forward(input_ids, *args)
 
     engine.model.forward = poisoned
-    outputs: dict = {}
     running = add_good(engine, "run")
-    for _ in range(3):  # the first requests are decoding when the poison arrives
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
+    outputs = run(engine, {}, steps=3)  # the first requests are decoding when the poison arrives
     engine.add_request(request(engine, "poison", "bad \x07 prompt", "demo-b"))
     newcomers = add_good(engine, "new")  # admitted in the same step as the poison
     run(engine, outputs)
     assert_failed_once(outputs, "poison", "planted forward failure")
-    for rid, prompt, lora in running + newcomers:
-        assert_exact(engine, outputs, rid, prompt, lora, reference)
-    assert_idle(engine)
+    assert_good_and_idle(engine, outputs, running + newcomers, reference)
     assert engine.finished_requests[("default", "error")] == 1
 
 
@@ -141,9 +153,7 @@ def test_a_row_of_nan_logits_fails_only_its_request(engine_factory, reference):
     engine.add_request(request(engine, "nan", "NaN row", "demo-a"))
     outputs = run(engine, {})
     assert_failed_once(outputs, "nan", "NaN or infinite logits")
-    for rid, prompt, lora in jobs:
-        assert_exact(engine, outputs, rid, prompt, lora, reference)
-    assert_idle(engine)
+    assert_good_and_idle(engine, outputs, jobs, reference)
 
 
 def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_factory, reference):
@@ -161,10 +171,8 @@ def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_f
     engine.add_request(request(engine, "lookup", "lookup breaks", "demo-b"))
     detok = request(engine, "detok", "detokenizer breaks", "demo-a", n=2, seed=7)
     engine.add_request(detok)
-    outputs: dict = {}
-    for _ in range(2):
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
+    outputs = run(engine, {}, steps=2)  # prefilled and forked
+
     class BrokenTokenizer:
         def decode(self, ids, **kwargs):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer failure")
@@ -173,9 +181,7 @@ def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_f
     run(engine, outputs)
     assert_failed_once(outputs, "lookup", "planted prefix lookup failure")
     assert_failed_once(outputs, "detok", "planted detokenizer failure")
-    for rid, prompt, lora in jobs:
-        assert_exact(engine, outputs, rid, prompt, lora, reference)
-    assert_idle(engine)
+    assert_good_and_idle(engine, outputs, jobs, reference)
 
 
 def test_the_loop_thread_survives_a_failure_outside_any_step(engine_factory, reference):
@@ -194,24 +200,16 @@ def test_the_loop_thread_survives_a_failure_outside_any_step(engine_factory, ref
     jobs = add_good(engine)
     engine.start()
     try:
-        outputs = {}
-        while len([o for outs in outputs.values() for o in outs if o.finished]) < len(jobs):
-            out = delivered.get(timeout=60)
-            outputs.setdefault(out.request_id, []).append(out)
+        outputs = collect(delivered, len(jobs))
         for rid, _, _ in jobs:  # every held request ended once, with the loop's error
             finals = [o for o in outputs[rid] if o.finished]
             assert len(finals) == 1 and "planted scheduler bug" in str(finals[0].error)
         assert engine.num_recoveries == 1
         again = add_good(engine, "after")  # the engine serves on, from a clean state
-        outputs = {}
-        while len([o for outs in outputs.values() for o in outs if o.finished]) < len(again):
-            out = delivered.get(timeout=60)
-            outputs.setdefault(out.request_id, []).append(out)
+        outputs = collect(delivered, len(again))
     finally:
         engine.stop()
-    for rid, prompt, lora in again:
-        assert_exact(engine, outputs, rid, prompt, lora, reference)
-    assert_idle(engine)
+    assert_good_and_idle(engine, outputs, again, reference)
     assert engine.scheduler.prefix_query_tokens["default"] > 0  # counters carried over the reset
 
 

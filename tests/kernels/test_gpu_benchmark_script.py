@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from scripts import BENCHMARKS, load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
+SCRIPT = BENCHMARKS / "gpu_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_kernels")
 
 
 def test_default_and_quick_options(bench):
