@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import sys
 import time
 from pathlib import Path
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 import requests
 
-from loraplex.tritonserver import TritonServer, TritonServerError, free_ports, project_root
-from tritonserver_fixture import make_triton_server_fixture
+from loraplex.tritonserver import (STUB_COMM, TritonServer, TritonServerError, free_ports, processes, project_root,
+                                   shm_region)
+from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, make_triton_server_fixture,
+                                  wait_ended, wait_gone)
 
 ECHO_CONFIG = """\
 name: "echo"
@@ -79,19 +82,21 @@ triton_server = make_triton_server_fixture(
 
 
 def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    return [p.pid for p in processes() if p.pgid == pgid and p.running]
+
+
+def _guards_of(pgid: int) -> list[int]:
+    """Guard processes watching process group ``pgid`` (``tritonserver.py guard <pgid> ...``)."""
+    found = []
+    for p in processes():
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
+        if p.running and b"guard" in argv and argv[argv.index(b"guard") + 1:][:1] == [str(pgid).encode()]:
+            found.append(p.pid)
+    return found
 
 
 def _grpc_stream(server, text: str, headers=None) -> list:
@@ -181,12 +186,14 @@ def test_stop_tears_down_the_process_group(tmp_path, demo):
     assert os.getsid(pgid) == pgid  # ... and session
     members = _group_members(pgid)
     assert len(members) >= 2, members  # tritonserver + the Python stub
+    assert len(_guards_of(pgid)) == 1  # in its own session, outside the group
     t0 = time.monotonic()
-    server.stop(grace=10)
+    rc = server.stop(grace=10)
     assert time.monotonic() - t0 < 10
-    assert server.proc.returncode is not None
-    assert _group_members(pgid) == []
+    assert rc == server.proc.returncode is not None
+    assert _group_members(pgid) == [] and _guards_of(pgid) == []
     assert "successfully unloaded" in server.log_path.read_text()
+    assert server.stop(grace=10) == rc  # a second stop does nothing
 
 
 def test_stop_kills_a_server_stuck_past_its_grace(tmp_path):
@@ -216,6 +223,40 @@ def test_early_exit_is_reported_with_the_log_tail(tmp_path):
     assert time.monotonic() - t0 < 30
     assert server.proc.returncode not in (None, 0)
     assert _group_members(server.pid) == []
+
+
+# ---------------------------------------------------------------- loraplex-serve under process faults
+
+def test_serve_stop_finishes_through_repeated_signals(tmp_path, demo):
+    """SIGTERM twice 0.2 s apart (`make serve` stopped with SIGTERM), then SIGTERM + SIGINT inside the grace wait."""
+    with launcher_under_load(tmp_path, demo["model"]) as (launcher, server, streams):
+        sessions = launcher.sessions()
+        launcher.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        launcher.proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        assert launcher.proc.poll() is None, "stopped before its grace wait: the streams must outlast 2 s"
+        launcher.proc.send_signal(signal.SIGTERM)
+        launcher.proc.send_signal(signal.SIGINT)
+        assert launcher.proc.wait(timeout=SERVE_EXIT_TIMEOUT + 30) == 0
+        assert launcher.stderr().count("stopping tritonserver") == 1
+        wait_gone(sessions, timeout=5)  # tritonserver, its stub and the guard
+        wait_ended(streams, timeout=5)
+        assert all(s.only_ending()[0] in ("final", "error") for s in streams)
+
+
+def test_killed_serve_takes_its_server_and_stubs_along(tmp_path, demo):
+    """SIGKILL to loraplex-serve under load: within exit timeout + 20 s nothing of ours is left."""
+    with launcher_under_load(tmp_path, demo["model"]) as (launcher, server, streams):
+        sessions = launcher.sessions()
+        regions = [shm_region(p.pid) for p in descendants(server.pid) if p.comm == STUB_COMM]
+        launcher.kill()
+        wait_gone(sessions, timeout=SERVE_EXIT_TIMEOUT + 20)  # the guard ends the group after exit timeout + 5 s
+        wait_ended(streams, timeout=5)
+        for s in streams:
+            kind, _, text = s.only_ending()
+            assert kind == "error" and "UNAVAILABLE" in text, text
+        assert regions and not any(Path("/dev/shm", r).exists() for r in regions if r)
 
 
 def test_free_ports_are_distinct_and_bindable():

@@ -280,6 +280,11 @@ class Stream:
         """The events that end a request (a final response or an error)."""
         return [e for e in self.events if e[0] != "data"]
 
+    def only_ending(self) -> tuple:
+        """The one event that ended the request, checked to be single and last."""
+        assert len(self.endings) == 1 and self.events[-1] is self.endings[0], self.events[-3:]
+        return self.endings[0]
+
     def close(self) -> None:
         """Close the client without waiting for anything still running."""
         self.client.stop_stream(cancel_requests=True)

@@ -24,12 +24,6 @@ BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
 CLEAR = ("UNAVAILABLE", "shutting down")  # gRPC status of a dropped stream; the model's own shutdown error
 
 
-def _one_ending(stream) -> tuple:
-    """The single event that ended ``stream``, checked to be its last."""
-    assert len(stream.endings) == 1 and stream.events[-1] is stream.endings[0], stream.events[-3:]
-    return stream.endings[0]
-
-
 def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_path, demo):
     with launcher_under_load(tmp_path, demo["model"], n=4) as (launcher, server, streams):
         stub = next(p.pid for p in descendants(server.pid) if p.comm == STUB_COMM)
@@ -37,7 +31,7 @@ def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_p
         os.kill(stub, signal.SIGKILL)
         wait_ended(streams, timeout=30)  # without the launcher's restart they would hang until the server exits
         for s in streams:
-            kind, _, text = _one_ending(s)
+            kind, _, text = s.only_ending()
             assert kind == "error" and "UNAVAILABLE" in text, text
         again = launcher.wait_serving(not_pid=server.pid)
         result = stream_generate(launcher.grpc_url, "Hello", {"max_tokens": 4, "ignore_eos": True, "temperature": 0},
@@ -58,7 +52,7 @@ def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_t
         os.kill(server.pid, signal.SIGTERM)
         wait_ended(long + short, timeout=BOUND)
         for s in long + short:
-            kind, at, text = _one_ending(s)
+            kind, at, text = s.only_ending()
             assert at - t0 < BOUND
             assert kind == "final" or any(c in text for c in CLEAR), text
         assert launcher.proc.wait(timeout=BOUND) == 1  # it stops with its server
