@@ -1,4 +1,4 @@
-"""The tritonserver launcher against a real server, and the offline demo builder."""
+"""The tritonserver launcher against a real server (stop, faults of loraplex-serve), and the offline demo builder."""
 
 from __future__ import annotations
 
