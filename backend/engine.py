@@ -97,6 +97,7 @@ class LLMEngine:
         self._stopping = False
         self._closed = False  # shut down: add_request refuses
         self._accept_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
         self._num_accepted = 0  # requests add_request accepted (any thread, under the lock)
         self._num_drained = 0  # of those, taken from the inbox by the loop thread
         self.num_steps = 0
@@ -426,14 +427,15 @@ class LLMEngine:
         """Stop the loop thread and end every request held or queued with one error; refuse new ones."""
         with self._accept_lock:
             self._closed = True
-        self.stop(timeout=30.0)
-        error = exc or EngineShuttingDown("the model is shutting down; the request did not finish")
-        outputs = self._fail_held(error)
-        while self._inbox:
-            kind, item = self._inbox.popleft()
-            if kind == "add":
-                outputs.append(self._error_output(item, error))
-        return outputs
+        with self._shutdown_lock:  # the unload watch and finalize() may both call it
+            self.stop(timeout=30.0)
+            error = exc or EngineShuttingDown("the model is shutting down; the request did not finish")
+            outputs = self._fail_held(error)
+            while self._inbox:
+                kind, item = self._inbox.popleft()
+                if kind == "add":
+                    outputs.append(self._error_output(item, error))
+            return outputs
 
     def start(self) -> None:
         """Start the loop thread."""

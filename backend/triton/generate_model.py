@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -18,6 +19,8 @@ from .parsing import parse_generate_input
 from .responder import Responder
 
 log = logging.getLogger("loraplex.triton")
+
+UNLOAD_POLL_SECONDS = 1.0  # how often the model asks Triton whether it is still ready (one IPC round trip)
 
 INPUT_NAMES = (
     "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
@@ -63,6 +66,29 @@ class TritonPythonModel:
         self.metrics.update(self.engine)
         self.responder.start()
         self.engine.start()
+        self._finalizing = threading.Event()
+        self._unload_watch = threading.Thread(target=self._watch_unloading, name="loraplex-unload-watch",
+                                              args=(args["model_name"], args["model_version"]), daemon=True)
+        self._unload_watch.start()
+
+    def _watch_unloading(self, name: str, version: str) -> None:
+        """End every request the model holds once Triton starts unloading it (server stopping, explicit unload).
+
+        With a decoupled stream open, Triton does not call finalize() until its exit timeout
+        has expired and then exits without it; polling readiness lets the streams end cleanly.
+        """
+        was_ready = False
+        while not self._finalizing.wait(UNLOAD_POLL_SECONDS if was_ready else 0.05):  # ready within ms of start
+            try:
+                ready = pb_utils.is_model_ready(name, version)
+            except Exception as exc:  # noqa: BLE001 - a stopping server answers "Server not ready"
+                ready = False if "not ready" in str(exc).lower() else None
+            if ready:
+                was_ready = True
+            elif ready is False and was_ready:
+                log.info("model %s is being unloaded: ending the requests it holds", name)
+                self.responder.push(self.engine.shutdown())
+                return
 
     def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -99,5 +125,6 @@ class TritonPythonModel:
 
     def finalize(self):
         """Unloading: every request still held ends with UNAVAILABLE, then the threads stop."""
+        self._finalizing.set()
         self.responder.push(self.engine.shutdown())
         self.responder.stop()

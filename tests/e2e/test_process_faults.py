@@ -2,9 +2,9 @@
 
 What Triton 2.51 does on its own (measured; docs/architecture.md): a decoupled model's dead
 stub is never restarted, its in-flight streams hang until the server exits, and the server
-stays ready. On SIGTERM it lets in-flight streams run for --exit-timeout-secs without
-calling the model's finalize(), then exits, often crashing in libtriton_python.so, and
-sometimes hangs in its crash handler; the launcher bounds both.
+stays ready; the launcher restarts it. On SIGTERM it starts unloading the model but, with
+streams open, calls finalize() only after --exit-timeout-secs (then often crashes); the
+model notices the unload (readiness polling) and ends each stream with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from loraplex.clients.generate import stream_generate
 from loraplex.tritonserver import STUB_COMM, shm_region
 
 BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
-CLEAR = ("UNAVAILABLE", "shutting down")  # gRPC status of a dropped stream; the model's own shutdown error
 
 
 def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_path, demo):
@@ -54,6 +53,6 @@ def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_t
         for s in long + short:
             kind, at, text = s.only_ending()
             assert at - t0 < BOUND
-            assert kind == "final" or any(c in text for c in CLEAR), text
+            assert kind == "final" or "the model is shutting down" in text, text  # ended by the model, not dropped
         assert launcher.proc.wait(timeout=BOUND) == 1  # it stops with its server
         wait_gone(sessions, timeout=10)
