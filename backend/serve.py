@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from loraplex.tritonserver import (TritonServer, TritonServerError, cache_dir, engine_env, process_running,
-                                  project_root)
+from loraplex.processes import process_running
+from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP, EXITED, STOPPING, DEAD_STUB = "stop", "exited", "stopping", "dead stub"  # why _watch returned

@@ -23,7 +23,6 @@ build as the virtualenv instead of whatever ``libpython3.X.so`` the system has.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -42,6 +41,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
+
+from . import processes as procs
+from .processes import (DEATH_SIGNAL, GUARD_DONE, STUB_COMM, die_with_parent, kill_group, processes, shm_region,
+                        stub_shm_regions, unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*"
 CONTAINER_ROOT = Path("/opt/tritonserver")
@@ -227,136 +230,6 @@ def _tail(path: Path, max_bytes: int = 8000) -> str:
 
 _PORT_IN_USE = ("already in use",)
 
-# ---- processes: /proc, the parent-death signal, the group guard ---------------------
-
-STUB_COMM = "triton_python_b"  # /proc/<pid>/comm of triton_python_backend_stub (15 characters)
-SHM_PREFIX = "triton_python_backend_shm_region_"  # the stub's argv[2]; a file in /dev/shm
-DEATH_SIGNAL = signal.SIGTERM  # why SIGTERM: docs/architecture.md, "Decisions and departures"
-_PR_SET_PDEATHSIG = 1
-_GUARD_DONE = b"stopped"
-
-
-@dataclass(slots=True, frozen=True)
-class ProcInfo:
-    """One process as ``/proc/<pid>/stat`` shows it."""
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    pgid: int
-    sid: int
-
-    @property
-    def running(self) -> bool:
-        """Not a zombie (a zombie holds no memory, ports or files)."""
-        return self.state not in ("Z", "X")
-
-
-def proc_info(pid: int) -> ProcInfo | None:
-    """``/proc/<pid>/stat`` parsed; None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-    return ProcInfo(pid, comm, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
-
-
-def processes() -> list[ProcInfo]:
-    """Every process in ``/proc`` right now."""
-    found = (proc_info(int(e)) for e in os.listdir("/proc") if e.isdigit())
-    return [p for p in found if p is not None]
-
-
-def process_running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    info = proc_info(pid)
-    return info is not None and info.running
-
-
-def shm_region(pid: int) -> str | None:
-    """The shared-memory region a live Python-backend stub was given (its argv[2])."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return None
-    return argv[2].decode() if len(argv) > 2 and argv[2].startswith(SHM_PREFIX.encode()) else None
-
-
-def _stub_shm_regions(pgid: int) -> list[str]:
-    """Shared-memory regions of the live Python-backend stubs in process group ``pgid``."""
-    stubs = (p.pid for p in processes() if p.pgid == pgid and p.comm == STUB_COMM and p.running)
-    return [r for r in map(shm_region, stubs) if r]
-
-
-def kill_group(pgid: int, regions: Iterable[str] = (), timeout: float = 5.0) -> None:
-    """SIGKILL process group ``pgid``, wait until it is empty, then unlink the stubs' ``regions``.
-
-    A SIGKILLed stub or server never unlinks its /dev/shm region, so each one would leak
-    (1 MiB and up, in RAM). Call only while the group has members: a pgid cannot be
-    reused while any process (zombies too) still carries it.
-    """
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + timeout
-    while any(p.pgid == pgid and p.running for p in processes()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    unlink_shm(regions)
-
-
-def unlink_shm(regions: Iterable[str]) -> None:
-    """Remove these shared-memory regions from /dev/shm (those already gone are skipped)."""
-    for name in regions:
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except OSError:
-            pass
-
-
-def _die_with_parent(sig: int):
-    """A ``preexec_fn`` asking the kernel for ``sig`` when the forking thread ends.
-
-    Resolved before the fork (the child only calls prctl); if the parent is already gone
-    by then, the child signals itself.
-    """
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-
-    return preexec
-
-
-def _guard_main(pgid: int, grace: float) -> None:
-    """The guard: wait for the launcher to go; if it went without stopping the server, end the group.
-
-    Its stdin is a pipe whose only writer is the launcher, so EOF means the launcher
-    process is gone, however it ended. It sends the server ``DEATH_SIGNAL`` (graceful), waits
-    up to ``grace`` s for it to exit, then kills the whole group: Python-backend stubs whose
-    parent dies while our model is sending deadlock in Triton 2.51 and never exit.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.stdin.buffer.read() == _GUARD_DONE or not any(p.pgid == pgid for p in processes()):
-        return
-    regions = _stub_shm_regions(pgid)
-    try:
-        os.kill(pgid, DEATH_SIGNAL)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace
-    while process_running(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    kill_group(pgid, regions)
-
-
 @dataclass
 class TritonServer:
     """One tritonserver process in its own process group; a context manager.
@@ -473,11 +346,11 @@ class TritonServer:
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
             stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent(DEATH_SIGNAL) if on_main_thread else None,
+            preexec_fn=die_with_parent(DEATH_SIGNAL) if on_main_thread else None,
         )
         self._stopped = False
         try:
-            guard = [sys.executable, "-I", "-S", __file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5)]
+            guard = [sys.executable, "-I", "-S", procs.__file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5)]
             self._guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                            stderr=self._log_file, start_new_session=True)
         except OSError:
@@ -569,7 +442,7 @@ class TritonServer:
         if guard is None:
             return
         try:
-            guard.stdin.write(_GUARD_DONE)
+            guard.stdin.write(GUARD_DONE)
             guard.stdin.close()
         except OSError:
             pass
@@ -593,7 +466,7 @@ class TritonServer:
         if proc is None or self._stopped:
             return None if proc is None else proc.returncode
         try:
-            regions = self._regions.union(_stub_shm_regions(proc.pid) if self._group_alive() else ())
+            regions = self._regions.union(stub_shm_regions(proc.pid) if self._group_alive() else ())
             if proc.poll() is None:
                 try:
                     os.kill(proc.pid, signal.SIGINT)
@@ -637,7 +510,3 @@ def engine_env(model_dir: str | os.PathLike | None = None, adapter_store: str | 
         env["LORAPLEX_ENGINE_CONFIG"] = engine_config if isinstance(engine_config, str) \
             else json.dumps(dict(engine_config))
     return env
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:  # the guard process (TritonServer.start)
-    _guard_main(int(sys.argv[2]), float(sys.argv[3]))

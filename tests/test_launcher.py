@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import requests
 
-from loraplex.tritonserver import (STUB_COMM, TritonServer, TritonServerError, free_ports, processes, project_root,
-                                   shm_region)
+from loraplex.processes import STUB_COMM, processes, shm_region
+from loraplex.tritonserver import TritonServer, TritonServerError, free_ports, project_root
 from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, make_triton_server_fixture,
                                   wait_ended, wait_gone)
 

@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pytest
 import requests
 
-from loraplex.tritonserver import (ProcInfo, TritonServer, TritonServerError, engine_env, free_ports, processes,
-                                   project_root)
+from loraplex.processes import ProcInfo, processes
+from loraplex.tritonserver import TritonServer, TritonServerError, engine_env, free_ports, project_root
 
 DEFAULT_MODEL_REPOSITORY = project_root() / "model_repository"
 

@@ -18,7 +18,7 @@ from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_unde
                                   wait_gone)
 
 from loraplex.clients.generate import stream_generate
-from loraplex.tritonserver import STUB_COMM, shm_region
+from loraplex.processes import STUB_COMM, shm_region
 
 BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
 
