@@ -423,13 +423,13 @@ class LLMEngine:
         self.num_recoveries += 1
         return outputs
 
-    def shutdown(self, exc: Exception | None = None) -> list[RequestOutput]:
+    def shutdown(self) -> list[RequestOutput]:
         """Stop the loop thread and end every request held or queued with one error; refuse new ones."""
         with self._accept_lock:
             self._closed = True
         with self._shutdown_lock:  # the unload watch and finalize() may both call it
             self.stop(timeout=30.0)
-            error = exc or EngineShuttingDown("the model is shutting down; the request did not finish")
+            error = EngineShuttingDown("the model is shutting down; the request did not finish")
             outputs = self._fail_held(error)
             while self._inbox:
                 kind, item = self._inbox.popleft()

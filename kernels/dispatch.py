@@ -81,6 +81,7 @@ def torch_path(name: str, tensor: torch.Tensor):
     return getattr(reference, name)
 
 
+@functools.lru_cache(maxsize=None)
 def launcher(name: str):
     """The launcher of the exported op name (imported on first use)."""
     module = importlib.import_module(f".{LAUNCHER_MODULE[OP_OF[name]]}", __package__)

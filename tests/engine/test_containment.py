@@ -16,7 +16,7 @@ from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
 from loraplex.engine import LLMEngine
-from loraplex.request import InvalidRequest, SamplingParams
+from loraplex.request import EngineShuttingDown, InvalidRequest, SamplingParams
 
 GOOD = [("Hello there", None), ("The quick brown fox", "demo-a"), ("LoRA adapters", "demo-b"), ("Tenants", None)]
 MAX_TOKENS = 12
@@ -236,3 +236,18 @@ def test_extreme_sampling_values_are_refused_or_contained(engine_factory, refere
     assert sorted({o.index for o in outputs["seeded"]}) == [0, 1, 2, 3]
     assert all(o.error is None for o in outputs["seeded"])
     assert_idle(engine)
+
+
+def test_shutdown_ends_every_held_and_queued_request_once_and_refuses_new_ones(engine_factory):
+    engine = engine_factory()
+    jobs = add_good(engine)
+    run(engine, {}, steps=2)  # held by the engine, mid-generation
+    engine.add_request(request(engine, "queued", "still in the inbox"))
+    outputs: dict = {}
+    for out in engine.shutdown() + engine.shutdown():  # finalize() and the unload watch may both call it
+        outputs.setdefault(out.request_id, []).append(out)
+    assert sorted(outputs) == sorted([rid for rid, _, _ in jobs] + ["queued"])
+    for rid in outputs:
+        assert_failed_once(outputs, rid, "the model is shutting down")
+    with pytest.raises(EngineShuttingDown):
+        engine.add_request(request(engine, "late", "too late"))
