@@ -16,6 +16,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 ADAPTER_STORE ?= .cache/adapters
 ENGINE_CONFIG ?=
+TENANTS_FILE ?=
 PYTEST_ARGS ?=
 
 # The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
@@ -47,7 +48,8 @@ demo: setup
 serve: setup
 	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)') \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		--adapter-store '$(ADAPTER_STORE)' $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)')
+		--adapter-store '$(ADAPTER_STORE)' $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
+		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
 
 test: setup demo
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from loraplex.processes import process_running
+from loraplex.tenancy import TenantsFileError, load_tenants_file, new_key
 from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of loraplex-serve."""
     root = project_root()
     ap = argparse.ArgumentParser(prog="loraplex-serve", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog="`loraplex-serve new-key` prints a new API key and its sha256 for the tenants file.")
     ap.add_argument("--model-dir", default=None,
                     help="HF checkpoint folder (safetensors) of the base model; default: the offline "
                          "demo model in .cache/demo, built on first run, with its adapters demo-a/demo-b")
@@ -214,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-config", default=None,
                     help='engine knobs as JSON (docs/configuration.md), passed to the model as LORAPLEX_ENGINE_CONFIG, '
                          'e.g. \'{"block_size": 16}\'')
+    ap.add_argument("--tenants-file", default=None,
+                    help="JSON file of tenants and the sha256 of their API keys (README: Tenants), passed to the "
+                         "model as LORAPLEX_TENANTS_FILE and re-read when it changes; without it (development "
+                         "mode) clients name their tenant with x-tenant-id")
     ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the server to become ready")
@@ -221,8 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def print_new_key(out=sys.stdout) -> int:
+    """`loraplex-serve new-key`: a new random API key, its sha256, and how to put it in the tenants file."""
+    key, digest = new_key()
+    print(f"api key: {key}\nsha256:  {digest}\n\ngive the key to the tenant; in the tenants file:\n"
+          f'  {{"tenants": {{"<tenant>": {{"api_key_sha256": "{digest}"}}}}}}', file=out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of loraplex-serve."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["new-key"]:
+        return print_new_key()
     args = build_parser().parse_args(argv)
     if args.engine_config is not None:
         from loraplex.config import EngineConfig
@@ -231,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             EngineConfig.from_dict(json.loads(args.engine_config))
         except (ValueError, TypeError) as exc:
             print(f"loraplex-serve: --engine-config: {exc}", file=sys.stderr)
+            return 2
+    if args.tenants_file is not None:
+        try:
+            load_tenants_file(args.tenants_file)
+        except TenantsFileError as exc:
+            print(f"loraplex-serve: --tenants-file {exc}", file=sys.stderr)
             return 2
     store = Path(args.adapter_store)
     lora_name = None
@@ -256,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = TritonServer(
         model_repository=args.model_repository,
-        env=engine_env(model_dir, store, args.engine_config),
+        env=engine_env(model_dir, store, args.engine_config, args.tenants_file),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
     )

@@ -46,7 +46,7 @@ from . import processes as procs
 from .processes import (DEATH_SIGNAL, GUARD_DONE, STUB_COMM, die_with_parent, kill_group, processes, shm_region,
                         stub_shm_regions, unlink_shm)
 
-DEFAULT_HEADER_PATTERN = "x-tenant-.*"
+DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
 CONTAINER_ROOT = Path("/opt/tritonserver")
 
 
@@ -499,7 +499,8 @@ class TritonServer:
 
 
 def engine_env(model_dir: str | os.PathLike | None = None, adapter_store: str | os.PathLike | None = None,
-               engine_config: Mapping | str | None = None) -> dict[str, str]:
+               engine_config: Mapping | str | None = None,
+               tenants_file: str | os.PathLike | None = None) -> dict[str, str]:
     """The LORAPLEX_* environment variables the engine reads."""
     env: dict[str, str] = {}
     if model_dir is not None:
@@ -509,4 +510,6 @@ def engine_env(model_dir: str | os.PathLike | None = None, adapter_store: str | 
     if engine_config is not None:
         env["LORAPLEX_ENGINE_CONFIG"] = engine_config if isinstance(engine_config, str) \
             else json.dumps(dict(engine_config))
+    if tenants_file is not None:
+        env["LORAPLEX_TENANTS_FILE"] = str(Path(tenants_file).resolve())
     return env

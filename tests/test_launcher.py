@@ -259,6 +259,34 @@ def test_killed_serve_takes_its_server_and_stubs_along(tmp_path, demo):
         assert regions and not any(Path("/dev/shm", r).exists() for r in regions if r)
 
 
+def _serve(*args: str):
+    import subprocess
+
+    return subprocess.run([str(Path(sys.executable).with_name("loraplex-serve")), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_serve_new_key_prints_a_key_and_its_hash():
+    import hashlib
+
+    out = _serve("new-key")
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(":", 1) for line in out.stdout.splitlines()[:2])
+    key, digest = lines["api key"].strip(), lines["sha256"].strip()
+    assert hashlib.sha256(key.encode()).hexdigest() == digest
+    assert f'"api_key_sha256": "{digest}"' in out.stdout
+    assert _serve("new-key").stdout.split()[2] != key
+
+
+def test_serve_refuses_a_bad_tenants_file_before_starting(tmp_path):
+    bad = tmp_path / "tenants.json"
+    bad.write_text('{"tenants": {"acme": {"api_key_sha256": "' + "0" * 64 + '", "max_adapters": -1}}}')
+    out = _serve("--model-dir", str(tmp_path), "--tenants-file", str(bad))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"loraplex-serve: --tenants-file {bad}: tenant 'acme': max_adapters must be an integer >= 0, got -1"]
+
+
 def test_free_ports_are_distinct_and_bindable():
     import socket
 

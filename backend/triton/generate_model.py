@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..metrics import TritonMetrics
+from ..tenancy import TenantResolver
 from .errors import error_code
 from .parsing import parse_generate_input
 from .responder import Responder
@@ -58,6 +59,7 @@ class TritonPythonModel:
         multi_lora = load_multi_lora(model_dir / args["model_version"] / "multi_lora.json")
         config.multi_lora = {**multi_lora, **config.multi_lora}
         self.ids = itertools.count()
+        self.tenants = TenantResolver.from_env()
         self.engine = LLMEngine(config)
         self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
         self.engine.on_outputs = self.responder.push
@@ -105,13 +107,14 @@ class TritonPythonModel:
         return None
 
     def _enqueue(self, request, sender) -> None:
+        parameters = json.loads(request.parameters() or "{}")
+        tenant = self.tenants.resolve(parameters)  # a missing or wrong key is refused before any other work
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        parameters = json.loads(request.parameters() or "{}")
-        parsed = parse_generate_input(inputs, parameters)
+        parsed = parse_generate_input(inputs, parameters, tenant)
         request_id = f"{next(self.ids)}:{request.request_id()}"
         engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, parsed.tenant)
         self.responder.register(

@@ -69,8 +69,8 @@ def _sampling_json(raw) -> dict:
     return sampling
 
 
-def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateInput:
-    """Validate one request; raises InvalidRequest with a message for the client."""
+def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict, tenant: str = "default") -> GenerateInput:
+    """Validate one request of ``tenant`` (resolved by loraplex.tenancy); raises InvalidRequest for the client."""
     if "text_input" not in inputs:
         raise InvalidRequest("missing required input 'text_input'")
     prompt = _scalar(inputs["text_input"], "text_input")
@@ -84,7 +84,6 @@ def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict) -> Gen
     sampling: dict = {}
     if "sampling_parameters" in inputs:
         sampling = _sampling_json(_scalar(inputs["sampling_parameters"], "sampling_parameters"))
-    tenant = str(parameters.get("x-tenant-id") or parameters.get("tenant") or "default")
     for key, value in parameters.items():
         if key in SAMPLING_KEYS:
             sampling.setdefault(key, value)

@@ -74,8 +74,8 @@ def test_echo_rules_follow_vllm_backend():
 
 def test_sampling_json_and_request_parameters_and_tenant():
     inputs = {"text_input": text("hi"), "sampling_parameters": text(json.dumps({"max_tokens": 3}))}
-    parsed = parse_generate_input(inputs, {"temperature": 0, "tenant": "acme", "unrelated": 1})
+    parsed = parse_generate_input(inputs, {"temperature": 0, "tenant": "acme", "unrelated": 1}, "acme")
     assert (parsed.params.max_tokens, parsed.params.temperature, parsed.tenant) == (3, 0.0, "acme")
-    assert parse_generate_input(inputs, {"x-tenant-id": "t1", "tenant": "t2"}).tenant == "t1"
+    assert parse_generate_input(inputs, {"x-api-key": "k", "api_key": "k"}).params.max_tokens == 3  # not sampling keys
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         parse_generate_input({"text_input": text("hi"), "sampling_parameters": text("{nope")}, {})

@@ -1,0 +1,203 @@
+"""Tenant identity: the tenants file, API keys, and who a request's key belongs to.
+
+With a tenants file (``LORAPLEX_TENANTS_FILE``) only a key establishes a tenant; without
+one (development mode) the client names it (``x-tenant-id``, then ``tenant``, else
+``default``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, Mapping
+
+from .request import InvalidRequest
+
+log = logging.getLogger("loraplex.tenancy")
+
+TENANTS_FILE_ENV = "LORAPLEX_TENANTS_FILE"
+DEFAULT_TENANT = "default"
+RELOAD_CHECK_SECONDS = 1.0  # a lookup checks the file's mtime/size at most this often
+KEY_HEADER, KEY_PARAMETER = "x-api-key", "api_key"
+AUTH_ERROR = ("missing or invalid API key (send it in the x-api-key header, "
+              "or as the api_key parameter on HTTP generate)")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+HEX_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+class InvalidApiKey(InvalidRequest):
+    """A request's API key is missing or matches no tenant (one message for both)."""
+
+    def __init__(self):
+        super().__init__(AUTH_ERROR)
+
+
+class TenantsFileError(ValueError):
+    """The tenants file cannot be read or is not valid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant of the tenants file: its key's digest and its quotas (0 = unlimited)."""
+
+    name: str
+    api_key_digest: bytes
+    weight: float = 1
+    max_concurrent_requests: int = 0
+    max_queued_requests: int = 0
+    max_adapters: int = 0
+    max_adapter_rank: int = 0
+    max_adapter_bytes: int = 0
+    tokens_per_minute: int = 0
+
+
+QUOTA_FIELDS = tuple(f.name for f in fields(Tenant) if f.name not in ("name", "api_key_digest", "weight"))
+KNOWN_FIELDS = ("api_key_sha256", "weight", *QUOTA_FIELDS)
+
+
+def key_digest(key: str) -> bytes:
+    """sha256 of an API key (what the tenants file stores, in hex)."""
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def new_key() -> tuple[str, str]:
+    """A fresh random API key and its sha256 in hex."""
+    key = secrets.token_urlsafe(32)
+    return key, key_digest(key).hex()
+
+
+def _number(name: str, field: str, value, minimum: float, integer: bool):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) \
+            or (isinstance(value, float) and not math.isfinite(value)) or value < minimum:
+        what = "an integer" if integer else "a number"
+        raise TenantsFileError(f"tenant {name!r}: {field} must be {what} >= {minimum:g}, got {value!r}")
+    return value
+
+
+def _tenant(name: str, entry) -> Tenant:
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        raise TenantsFileError(f"tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-' "
+                               "(starting with a letter or digit)")
+    if not isinstance(entry, dict):
+        raise TenantsFileError(f"tenant {name!r}: expected a JSON object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - set(KNOWN_FIELDS))
+    if unknown:
+        raise TenantsFileError(f"tenant {name!r}: unknown field(s) {', '.join(unknown)} "
+                               f"(known: {', '.join(KNOWN_FIELDS)})")
+    digest = entry.get("api_key_sha256")
+    if not isinstance(digest, str) or not HEX_SHA256.fullmatch(digest):
+        raise TenantsFileError(f"tenant {name!r}: api_key_sha256 must be the 64 hex digits of the key's sha256 "
+                               "(`loraplex-serve new-key` prints one)")
+    weight = _number(name, "weight", entry.get("weight", 1), 0, integer=False)
+    if weight == 0:
+        raise TenantsFileError(f"tenant {name!r}: weight must be > 0, got 0")
+    quotas = {f: _number(name, f, entry.get(f, 0), 0, integer=True) for f in QUOTA_FIELDS}
+    return Tenant(name, bytes.fromhex(digest), weight, **quotas)
+
+
+def parse_tenants(data) -> dict[str, Tenant]:
+    """Validate a decoded tenants file: tenant name -> Tenant; raises TenantsFileError."""
+    if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], dict):
+        raise TenantsFileError('expected {"tenants": {"<name>": {"api_key_sha256": "<hex>", ...}}}')
+    tenants = {name: _tenant(name, entry) for name, entry in data["tenants"].items()}
+    owners: dict[bytes, str] = {}
+    for tenant in tenants.values():
+        if tenant.api_key_digest in owners:
+            raise TenantsFileError(f"tenants {owners[tenant.api_key_digest]!r} and {tenant.name!r} "
+                                   "have the same api_key_sha256")
+        owners[tenant.api_key_digest] = tenant.name
+    return tenants
+
+
+def load_tenants_file(path: str | os.PathLike) -> dict[str, Tenant]:
+    """Read and validate a tenants file; raises TenantsFileError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise TenantsFileError(f"{path}: {exc}") from None
+    try:
+        return parse_tenants(data)
+    except TenantsFileError as exc:
+        raise TenantsFileError(f"{path}: {exc}") from None
+
+
+def development_tenant(parameters: Mapping) -> str:
+    """Development mode: the tenant the client names (x-tenant-id, then tenant, else default)."""
+    return str(parameters.get("x-tenant-id") or parameters.get("tenant") or DEFAULT_TENANT)
+
+
+class TenantsFile:
+    """The tenants file, re-read when its mtime or size changes (checked at most once a second on lookup)."""
+
+    def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.monotonic):
+        self.path, self.clock = Path(path), clock
+        self._lock = threading.Lock()
+        self._signature = self._stat()
+        self.tenants = load_tenants_file(self.path)  # the first load must succeed
+        self._checked = clock()
+
+    def _stat(self):
+        st = self.path.stat()
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if self.clock() - self._checked < RELOAD_CHECK_SECONDS:
+                return
+            self._checked = self.clock()
+            try:
+                signature = self._stat()
+            except OSError as exc:
+                signature = repr(exc)
+            if signature == self._signature:
+                return
+            self._signature = signature  # a broken version is reported once, not on every lookup
+            try:
+                self.tenants = load_tenants_file(self.path)
+            except TenantsFileError as exc:
+                log.error("tenants file not reloaded, keeping the last good one: %s", exc)
+                return
+            log.info("tenants file reloaded: %d tenant(s)", len(self.tenants))
+
+    def tenant_for_key(self, key) -> Tenant | None:
+        """The tenant whose key this is (None if none): every digest is compared, in constant time."""
+        self._refresh()
+        if not isinstance(key, str) or not key:
+            return None
+        digest, found = key_digest(key), None
+        for tenant in self.tenants.values():
+            if hmac.compare_digest(digest, tenant.api_key_digest) and found is None:
+                found = tenant
+        return found
+
+
+class TenantResolver:
+    """Answers "who is this request?" from its Triton parameters (forwarded headers included)."""
+
+    def __init__(self, tenants_file: str | os.PathLike | None = None, **file_args):
+        self.file = TenantsFile(tenants_file, **file_args) if tenants_file else None
+
+    @classmethod
+    def from_env(cls) -> "TenantResolver":
+        """The resolver for ``LORAPLEX_TENANTS_FILE`` (development mode when unset or empty)."""
+        return cls(os.environ.get(TENANTS_FILE_ENV) or None)
+
+    def resolve(self, parameters: Mapping) -> str:
+        """The request's tenant; raises InvalidApiKey when a tenants file is in use and the key matches none."""
+        if self.file is None:
+            return development_tenant(parameters)
+        tenant = self.file.tenant_for_key(parameters.get(KEY_HEADER) or parameters.get(KEY_PARAMETER))
+        if tenant is None:
+            raise InvalidApiKey()
+        return tenant.name
