@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from loraplex.processes import process_running
-from loraplex.tenancy import TenantsFileError, load_tenants_file, new_key
+from loraplex.tenancy import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
 from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -37,10 +37,12 @@ def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
     return copied
 
 
-def usage_text(server: TritonServer, lora_name: str | None = "demo-a") -> str:
-    """How to call the running server (gRPC with tritonclient, and curl)."""
+def usage_text(server: TritonServer, lora_name: str | None = "demo-a", api_keys: bool = False) -> str:
+    """How to call the running server (gRPC with tritonclient, and curl); with ``api_keys``, sending a key."""
     http_port, grpc = server.http_port, server.grpc_url
     lora = f', "lora_name": "{lora_name}"' if lora_name else ""
+    header = '"x-api-key": "<your key>"' if api_keys else '"x-tenant-id": "acme"'
+    key = ', "api_key": "<your key>"' if api_keys else ""
     return f"""\
 Loraplex is serving model 'lora_llm':
   HTTP     {server.http_url}
@@ -48,9 +50,9 @@ Loraplex is serving model 'lora_llm':
   metrics  {server.metrics_url}
 
 curl (one response):
-  curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": "Hello", "parameters": {{"max_tokens": 16{lora}}}}}'
+  curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": "Hello", "parameters": {{"max_tokens": 16{lora}{key}}}}}'
 curl (server-sent events, one per chunk):
-  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "stream": true, "parameters": {{"max_tokens": 16{lora}}}}}'
+  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "stream": true, "parameters": {{"max_tokens": 16{lora}{key}}}}}'
 
 Python gRPC streaming (tritonclient):
   import json, numpy as np, tritonclient.grpc as grpcclient
@@ -58,7 +60,7 @@ Python gRPC streaming (tritonclient):
   def inp(name, value, dtype):
       t = grpcclient.InferInput(name, [1], dtype); t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool)); return t
   c.start_stream(callback=lambda result, error: print(error or result.as_numpy("text_output")[0].decode(), end="", flush=True),
-                 headers={{"x-tenant-id": "acme"}})
+                 headers={{{header}}})
   c.async_stream_infer("lora_llm", [inp("text_input", "Hello", "BYTES"), inp("stream", True, "BOOL"),
                        inp("sampling_parameters", json.dumps({{"max_tokens": 16{lora}}}), "BYTES")])
   c.stop_stream()
@@ -179,7 +181,7 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_n
         if not _wait_ready(server, follower, stop, ready_timeout):
             return 0
         if run == 0:
-            print("\n" + usage_text(server, lora_name), flush=True)
+            print("\n" + usage_text(server, lora_name, TENANTS_FILE_ENV in (server.env or {})), flush=True)
         else:
             print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
         reason, dead = _watch(server, follower, stop)

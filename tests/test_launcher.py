@@ -287,6 +287,15 @@ def test_serve_refuses_a_bad_tenants_file_before_starting(tmp_path):
         f"loraplex-serve: --tenants-file {bad}: tenant 'acme': max_adapters must be an integer >= 0, got -1"]
 
 
+def test_usage_text_sends_a_key_when_serving_a_tenants_file():
+    from loraplex.serve import usage_text
+
+    server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
+    with_keys, development = usage_text(server, "demo-a", api_keys=True), usage_text(server, "demo-a")
+    assert '"api_key": "<your key>"' in with_keys and '"x-api-key": "<your key>"' in with_keys
+    assert "x-tenant-id" not in with_keys and "api_key" not in development
+
+
 def test_free_ports_are_distinct_and_bindable():
     import socket
 
