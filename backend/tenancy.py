@@ -143,12 +143,15 @@ class TenantsFile:
     def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.monotonic):
         self.path, self.clock = Path(path), clock
         self._lock = threading.Lock()
-        self._signature = self._stat()
+        self._signature = self._signature_now()  # before reading: a change in between is seen next time
         self.tenants = load_tenants_file(self.path)  # the first load must succeed
         self._checked = clock()
 
-    def _stat(self):
-        st = self.path.stat()
+    def _signature_now(self):
+        try:
+            st = self.path.stat()
+        except OSError as exc:
+            return repr(exc)
         return st.st_mtime_ns, st.st_size, st.st_ino
 
     def _refresh(self) -> None:
@@ -156,10 +159,7 @@ class TenantsFile:
             if self.clock() - self._checked < RELOAD_CHECK_SECONDS:
                 return
             self._checked = self.clock()
-            try:
-                signature = self._stat()
-            except OSError as exc:
-                signature = repr(exc)
+            signature = self._signature_now()  # before reading, as above
             if signature == self._signature:
                 return
             self._signature = signature  # a broken version is reported once, not on every lookup

@@ -124,3 +124,5 @@ def test_first_load_must_succeed(tmp_path):
     path.write_text('{"tenants": 1}')
     with pytest.raises(TenantsFileError):
         TenantResolver(path)
+    with pytest.raises(TenantsFileError, match="No such file"):
+        TenantResolver(tmp_path / "missing.json")
