@@ -137,7 +137,7 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
 
 def _watch(server: TritonServer, follower, stop: _StopRequest) -> tuple[str, list[int]]:
     """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs."""
-    stubs, probed = server.stubs(), time.monotonic()
+    stubs, probed = server.stubs(include_dead=True), time.monotonic()  # a stub killed before we look is a zombie
     reason, dead = STOP, []
     while not stop:
         if server.proc.poll() is not None:

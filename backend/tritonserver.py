@@ -417,14 +417,16 @@ class TritonServer:
                     raise
         raise AssertionError("unreachable")
 
-    def stubs(self) -> list[int]:
-        """Pids of the server's live Python-backend stubs (its children); remembers their shm regions.
+    def stubs(self, include_dead: bool = False) -> list[int]:
+        """Pids of the server's Python-backend stubs (its children; dead ones not reaped yet too, if asked).
 
-        A stub that dies loses its command line, so ``stop()`` unlinks the regions seen here.
+        Remembers their shm regions: a stub that dies loses its command line, so ``stop()``
+        unlinks the regions seen here.
         """
         if self.proc is None:
             return []
-        pids = [p.pid for p in processes() if p.ppid == self.proc.pid and p.comm == STUB_COMM and p.running]
+        pids = [p.pid for p in processes()
+                if p.ppid == self.proc.pid and p.comm == STUB_COMM and (include_dead or p.running)]
         self._regions.update(r for r in map(shm_region, pids) if r)
         return pids
 
