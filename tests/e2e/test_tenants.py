@@ -12,6 +12,7 @@ import pytest
 from helpers import http_generate, wait_for_metric
 from tritonserver_fixture import make_triton_server_fixture
 
+from loraplex.clients.generate import main as generate_main
 from loraplex.clients.generate import stream_generate
 from loraplex.tenancy import AUTH_ERROR, key_digest
 
@@ -83,3 +84,11 @@ def test_a_tenant_added_to_the_file_works_without_restart(triton_server):
         time.sleep(0.2)
     assert finished(triton_server, "initech", 1.0) == 1.0
     assert stream_generate(triton_server.grpc_url, "still", PARAMS, headers={"x-api-key": KEYS["acme"]}).error is None
+
+
+def test_the_generate_client_sends_its_api_key(triton_server, monkeypatch, capsys):
+    url = ["--url", triton_server.grpc_url, "--max-tokens", "2", "client"]
+    assert generate_main(["--api-key", KEYS["globex"], *url]) == 0
+    monkeypatch.setenv("LORAPLEX_API_KEY", "wrong")
+    assert generate_main(url) == 1  # the environment's key is the default
+    assert AUTH_ERROR in capsys.readouterr().err
