@@ -81,8 +81,9 @@ class ModelRunner:
             if not sample_rows:
                 return out
             logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
-            if not bool(torch.isfinite(logits).all()):
-                logits = self._contain_non_finite(logits, sample_seqs, out)
+            finite = torch.isfinite(logits).all(dim=-1)
+            if not bool(finite.all()):
+                logits = self._contain_non_finite(logits, finite, sample_seqs, out)
             tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
             chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
         for j, i in enumerate(sample_seqs):
@@ -100,9 +101,10 @@ class ModelRunner:
             self.swap_in(batch.swap_in)
 
     @staticmethod
-    def _contain_non_finite(logits: torch.Tensor, sample_seqs: list[int], out: RunnerOutput) -> torch.Tensor:
+    def _contain_non_finite(logits: torch.Tensor, finite: torch.Tensor, sample_seqs: list[int],
+                            out: RunnerOutput) -> torch.Tensor:
         """Record an error for each row with NaN/inf logits and zero those rows so the others still sample."""
-        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        bad = (~finite).nonzero().flatten().tolist()
         for j in bad:
             out.errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
         logits = logits.clone()

@@ -214,8 +214,7 @@ class Scheduler:
                     break  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
                 if not self._acquire_adapter(seq):
                     if seq.error is not None:  # its adapter broke since it was queued: fail it alone
-                        self.waiting.unpop([popped.pop()])
-                        out.finished += self.remove(seq, FinishReason.ABORT)
+                        self._fail_popped(popped, out)
                         continue
                     seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
                     if seq.adapter_skips > self.config.max_adapter_wait_steps:
@@ -226,8 +225,7 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001 - a lookup that raises fails this request, not the step
                     kv.free(seq.seq_id)
                     seq.error = exc
-                    self.waiting.unpop([popped.pop()])
-                    out.finished += self.remove(seq, FinishReason.ABORT)
+                    self._fail_popped(popped, out)
                     continue
                 if not fits:
                     self._release_adapter(seq)
@@ -248,6 +246,12 @@ class Scheduler:
         finally:
             if popped:
                 self.waiting.unpop(popped)
+
+    def _fail_popped(self, popped: list[Sequence], out: SchedulerOutput) -> None:
+        """End the sequence just popped for admission (seq.error says why), its pins released."""
+        seq = popped.pop()
+        self.waiting.unpop([seq])  # remove() takes it out of the queue, as from any waiting state
+        out.finished += self.remove(seq, FinishReason.ABORT)
 
     def _allocate_prefill(self, seq: Sequence, budget: int) -> tuple[bool, int, int]:
         """Prefix-cache lookup and blocks for the first chunk: (fits, cached tokens, new tokens)."""
