@@ -35,6 +35,8 @@ class EngineConfig:
     preemption_window_steps: int = 32  # steps over which preemptions are counted for the admission cap
     preemption_threshold: int = 8  # more preemptions than this within the window halves the admission cap
     kv_watermark: float = 0.01  # fraction of KV blocks (at least 1) kept free at admission for running seqs
+    fair_share: str = "vtc"  # vtc: admit the backlogged tenant with the least weighted served tokens first | off
+    max_metric_tenants: int = 100  # development mode: distinct tenant labels in metrics; the rest count as "other"
     max_adapter_wait_steps: int = 32  # a request skipped this many steps for want of an adapter slot blocks later ones
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # tenant | global
@@ -72,6 +74,8 @@ class EngineConfig:
             (self.preemption_threshold >= 0, "preemption_threshold must be >= 0"),
             (0 <= self.kv_watermark < 1, "kv_watermark must be in [0, 1)"),
             (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps must be >= 0"),
+            (self.fair_share in ("vtc", "off"), "fair_share must be vtc or off"),
+            (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

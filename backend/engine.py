@@ -162,7 +162,7 @@ class LLMEngine:
             # vllm_backend's exact text (its clients compare it)
             raise AdapterNotFound(f"LoRA {show(params.lora_name, 200)[1:-1]} is not supported, "
                                   f"we currently support {self.adapters.names()}")
-        return Request(request_id, prompt, ids, params, tenant)
+        return Request(request_id, prompt, ids, params, tenant, adapter_key=params.lora_name)
 
     def _check_limits(self, params: SamplingParams) -> None:
         """Bounds that depend on the engine: n, logprobs, stop token ids."""
@@ -285,9 +285,9 @@ class LLMEngine:
     def _new_sequences(self, request: Request) -> list[Sequence]:
         """The request's n samples, ready to queue (sample 0 carries the others as forks)."""
         params = request.params
-        if params.lora_name:
-            self.adapters.refresh(params.lora_name)  # changed or deleted on disk: new requests see it
-            request.adapter_digest = self.adapters.digest(params.lora_name)
+        if request.adapter_key:
+            self.adapters.refresh(request.adapter_key)  # changed or deleted on disk: new requests see it
+            request.adapter_digest = self.adapters.digest(request.adapter_key)
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)
         seqs = []

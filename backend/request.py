@@ -7,7 +7,10 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tenancy import Tenant
 
 
 class InvalidRequest(ValueError):
@@ -229,6 +232,9 @@ class Request:
     tenant: str = "default"
     arrival_time: float = field(default_factory=time.monotonic)
     adapter_digest: str | None = None  # set at admission; part of the prefix-cache namespace
+    limits: "Tenant | None" = None  # the tenant's weight and quotas (None: weight 1, no quotas)
+    adapter_key: str | None = None  # the AdapterManager name lora_name resolved to (tenant's upload or shared)
+    adapter_path: str | None = None  # its folder on disk
 
 
 @dataclass(slots=True, eq=False)

@@ -313,7 +313,7 @@ class Scheduler:
         False when every slot is pinned by other adapters, or when loading the adapter
         failed (it changed or broke on disk since the request was queued): then seq.error says why.
         """
-        name = seq.request.params.lora_name
+        name = seq.request.adapter_key
         if not name:
             return True
         group = [seq, *seq.forks]
@@ -335,8 +335,8 @@ class Scheduler:
             self._release_adapter_of(child)
 
     def _release_adapter_of(self, seq: Sequence) -> None:
-        if seq.request.params.lora_name and seq.adapter_slot >= 0:
-            self.adapters.release(seq.request.params.lora_name, slot=seq.adapter_slot)
+        if seq.request.adapter_key and seq.adapter_slot >= 0:
+            self.adapters.release(seq.request.adapter_key, slot=seq.adapter_slot)
         seq.adapter_slot = -1
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:

@@ -60,6 +60,11 @@ class Tenant:
     max_adapter_bytes: int = 0
     tokens_per_minute: int = 0
 
+    @property
+    def authenticated(self) -> bool:
+        """Established by an API key (a tenants file), not named by the client."""
+        return bool(self.api_key_digest)
+
 
 QUOTA_FIELDS = tuple(f.name for f in fields(Tenant) if f.name not in ("name", "api_key_digest", "weight"))
 KNOWN_FIELDS = ("api_key_sha256", "weight", *QUOTA_FIELDS)
@@ -193,11 +198,23 @@ class TenantResolver:
         """The resolver for ``LORAPLEX_TENANTS_FILE`` (development mode when unset or empty)."""
         return cls(os.environ.get(TENANTS_FILE_ENV) or None)
 
-    def resolve(self, parameters: Mapping) -> str:
-        """The request's tenant; raises InvalidApiKey when a tenants file is in use and the key matches none."""
+    @property
+    def authenticated(self) -> bool:
+        """True with a tenants file (only keys establish tenants), False in development mode."""
+        return self.file is not None
+
+    def resolve_tenant(self, parameters: Mapping) -> Tenant:
+        """The request's Tenant (with its quotas); raises InvalidApiKey when a tenants file is in use and the key matches none.
+
+        In development mode the tenant is the one the client names, with no quotas.
+        """
         if self.file is None:
-            return development_tenant(parameters)
+            return Tenant(development_tenant(parameters), b"")
         tenant = self.file.tenant_for_key(parameters.get(KEY_HEADER) or parameters.get(KEY_PARAMETER))
         if tenant is None:
             raise InvalidApiKey()
-        return tenant.name
+        return tenant
+
+    def resolve(self, parameters: Mapping) -> str:
+        """The request's tenant name (see resolve_tenant)."""
+        return self.resolve_tenant(parameters).name

@@ -156,7 +156,8 @@ class Harness:
         tokens = [next(self._tokens) for _ in range(prompt)] if isinstance(prompt, int) else list(prompt)
         params = SamplingParams(max_tokens=max_tokens, n=n, priority=priority, lora_name=lora, timeout=timeout,
                                 ignore_eos=True)
-        req = Request(rid, "", tokens, params, tenant, arrival_time=self.now if arrival is None else arrival)
+        req = Request(rid, "", tokens, params, tenant, arrival_time=self.now if arrival is None else arrival,
+                      adapter_key=lora)
         seqs = []
         for index in range(n):
             seq = Sequence(next(self._ids), req, index, list(tokens), len(tokens))

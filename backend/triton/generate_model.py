@@ -11,11 +11,11 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..metrics import TritonMetrics
 from ..tenancy import TenantResolver
 from .errors import error_code
+from .model_config import engine_config_from_model_config, load_multi_lora
 from .parsing import parse_generate_input
 from .responder import Responder
 
@@ -27,23 +27,6 @@ INPUT_NAMES = (
     "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
     "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
 )
-
-
-def load_multi_lora(path: Path) -> dict[str, str]:
-    """vllm_backend's multi_lora.json: adapter name -> PEFT directory (relative to the file)."""
-    if not path.exists():
-        return {}
-    entries = json.loads(path.read_text())
-    return {name: str((path.parent / p).resolve()) for name, p in entries.items()}
-
-
-def engine_config_from_model_config(model_config: dict, model_dir: Path) -> EngineConfig:
-    """Config parameters of config.pbtxt (engine_config JSON, model_dir), then env overrides."""
-    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-    values = json.loads(params.get("engine_config", "{}") or "{}")
-    if params.get("model_dir"):
-        values["model_dir"] = str((model_dir / params["model_dir"]).resolve())
-    return EngineConfig.from_dict(values).with_env_overrides()
 
 
 class TritonPythonModel:
