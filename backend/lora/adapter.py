@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import regex
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
@@ -43,6 +46,18 @@ _UNSUPPORTED = (
 )
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+
+MAX_REGEX_CHARS = 256  # a tenant-supplied pattern (target/exclude_modules, rank/alpha_pattern keys, layers_pattern)
+REGEX_BUDGET_SECONDS = 0.5  # all pattern matching of one adapter load together
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on the JSON header
+
+# Bytes per element of each safetensors dtype.
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+
+log = logging.getLogger("loraplex.lora")
 
 
 class AdapterError(ValueError):
@@ -86,10 +101,73 @@ def adapter_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
     return h.hexdigest()
 
 
+def looks_like_pickle(data: bytes) -> bool:
+    """True for a pickle stream or a torch.save zip archive (what adapter_model.bin holds)."""
+    return data[:4] == b"PK\x03\x04" or (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
+def check_safetensors_header(data: bytes) -> dict[str, dict]:
+    """Check a safetensors file's header against its real size before any tensor is parsed.
+
+    Returns the tensor entries (name -> {dtype, shape, data_offsets}); raises AdapterError
+    unless the header length is sane, the header is a JSON object, and the tensors' byte
+    ranges are in range, do not overlap, match dtype size x shape and cover the data exactly.
+    """
+    def bad(why: str) -> AdapterError:
+        if looks_like_pickle(data):
+            return AdapterError(f"{WEIGHTS_FILE} is a pickle file (torch.save / {PICKLE_FILE}), not safetensors; "
+                                f"pickle is refused (arbitrary code execution), convert the adapter to {WEIGHTS_FILE}")
+        return AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {why}")
+
+    if len(data) < 8:
+        raise bad(f"{len(data)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n < 2 or n > MAX_HEADER_BYTES:
+        raise bad(f"header length {n} is not between 2 and {MAX_HEADER_BYTES}")
+    if 8 + n > len(data):
+        raise bad(f"header length {n} runs past the end of the {len(data)}-byte file")
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise bad("__metadata__ must map strings to strings")
+    size = len(data) - 8 - n
+    spans = []
+    for tensor, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {tensor!r}: expected dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_SIZES:
+            raise bad(f"tensor {tensor!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"tensor {tensor!r}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= size):
+            raise bad(f"tensor {tensor!r}: data_offsets {offsets!r} are outside the {size} data bytes")
+        if math.prod(shape) * DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+            raise bad(f"tensor {tensor!r}: {dtype} {shape} needs {math.prod(shape) * DTYPE_SIZES[dtype]} bytes, "
+                      f"data_offsets give {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], tensor))
+    end = 0
+    for begin, stop, tensor in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {tensor!r}: data_offsets start at {begin}, expected {end} "
+                      f"({'overlapping' if begin < end else 'a gap in the'} data)")
+        end = stop
+    if end != size:
+        raise bad(f"the tensors cover {end} of the {size} data bytes")
+    return header
+
+
 def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torch.float32) -> LoraAdapter:
     """Read, validate and convert a PEFT LoRA adapter folder for the given base model."""
     folder = Path(path)
-    where = f"adapter {name!r} ({folder})"
+    where = f"adapter {name!r}"  # no server path in messages that reach clients
+    log.debug("loading %s from %s", where, folder)
     if not folder.is_dir():
         raise AdapterError(f"{where}: directory does not exist")
     config_path = folder / CONFIG_FILE
@@ -103,14 +181,24 @@ def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torc
                 f"execution), convert the adapter to {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{where}: missing {WEIGHTS_FILE}")
-    config_bytes = config_path.read_bytes()
-    weights_bytes = weights_path.read_bytes()
-    digest = adapter_digest(config_bytes, weights_bytes)
+    return parse_peft_adapter(config_path.read_bytes(), weights_path.read_bytes(), name, hf_config, max_lora_rank,
+                              dtype, path=str(folder))
 
+
+def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_config, max_lora_rank: int,
+                       dtype=torch.float32, path: str = "") -> LoraAdapter:
+    """Validate and convert a PEFT LoRA adapter given as its two files' bytes (see load_peft_adapter)."""
+    where = f"adapter {name!r}"
+    digest = adapter_digest(config_bytes, weights_bytes)
+    patterns = _Patterns(where)
     settings = _parse_config(config_bytes, where)
     num_layers = int(hf_config.num_hidden_layers)
     shapes = module_shapes(hf_config)
-    targeted = _targeted_modules(settings, num_layers, where)
+    targeted = _targeted_modules(settings, num_layers, where, patterns)
+    try:
+        check_safetensors_header(weights_bytes)
+    except AdapterError as exc:
+        raise AdapterError(f"{where}: {exc}") from None
     try:
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
@@ -129,7 +217,7 @@ def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torc
     max_rank = 0
     for layer, module in sorted(targeted, key=lambda k: (k[0], MODULES.index(k[1]))):
         full = module_path(layer, module)
-        r, alpha = _rank_alpha(settings, full)
+        r, alpha = _rank_alpha(settings, full, patterns)
         if r > max_lora_rank:
             raise AdapterError(
                 f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}"
@@ -155,7 +243,7 @@ def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torc
         weights[(layer, module)] = (a, b, scale)
         max_rank = max(max_rank, r)
 
-    return LoraAdapter(name=name, path=str(folder), digest=digest, rank=max_rank, weights=weights)
+    return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights)
 
 
 def lora_scale(alpha: float, r: int, use_rslora: bool) -> float:
@@ -242,11 +330,15 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     regexes += [("layers_pattern", p) for p in pattern or []]
     regexes += [(field, v) for field, v in (("target_modules", target_modules), ("exclude_modules", exclude))
                 if isinstance(v, str)]
-    for field, regex in regexes:
+    for field, pattern in regexes:
+        if len(pattern) > MAX_REGEX_CHARS:
+            raise AdapterError(f"{where}: {field} pattern is {len(pattern)} characters long; "
+                               f"at most {MAX_REGEX_CHARS} are allowed")
         try:
-            re.compile(regex)
-        except re.error as exc:
-            raise AdapterError(f"{where}: {field} pattern {regex!r} is not a valid regex: {exc}") from exc
+            re.compile(pattern)  # what peft accepts
+            regex.compile(pattern)  # what we match with (under a time budget)
+        except (re.error, regex.error) as exc:
+            raise AdapterError(f"{where}: {field} pattern {pattern!r} is not a valid regex: {exc}") from exc
 
     return _Settings(
         r=r,
@@ -261,7 +353,39 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     )
 
 
-def _targeted_modules(s: _Settings, num_layers: int, where: str) -> set[tuple[int, str]]:
+class _Patterns:
+    """Tenant-supplied regexes matched with the regex package under one deadline per adapter load."""
+
+    def __init__(self, where: str, budget: float = REGEX_BUDGET_SECONDS):
+        self.where, self.budget = where, budget
+        self.deadline = time.monotonic() + budget
+        self._compiled: dict[str, regex.Pattern] = {}
+
+    def _run(self, field: str, pattern: str, method: str, key: str):
+        compiled = self._compiled.get(pattern)
+        if compiled is None:
+            compiled = self._compiled[pattern] = regex.compile(pattern)
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return getattr(compiled, method)(key, timeout=left)
+        except TimeoutError:
+            raise AdapterError(
+                f"{self.where}: matching the {field} patterns took longer than {self.budget:g} s; "
+                f"simplify them (catastrophic backtracking?)"
+            ) from None
+
+    def fullmatch(self, field: str, pattern: str, key: str):
+        """re.fullmatch(pattern, key), bounded by the deadline."""
+        return self._run(field, pattern, "fullmatch", key)
+
+    def match(self, field: str, pattern: str, key: str):
+        """re.match(pattern, key), bounded by the deadline."""
+        return self._run(field, pattern, "match", key)
+
+
+def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: _Patterns) -> set[tuple[int, str]]:
     """(layer, module) pairs the config selects, matched on full names the way peft does."""
     if s.layers_to_transform is not None:
         for i in s.layers_to_transform:
@@ -278,24 +402,24 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str) -> set[tuple[in
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
                     f"are {', '.join(MODULES)}"
                 )
-    targeted = {pair for full, pair in names.items() if _is_targeted(s, full)}
+    targeted = {pair for full, pair in names.items() if _is_targeted(s, full, rx)}
     if not targeted:
         raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(MODULES)}")
     return targeted
 
 
-def _is_targeted(s: _Settings, key: str) -> bool:
+def _is_targeted(s: _Settings, key: str, rx: _Patterns) -> bool:
     """peft's check_target_module_exists for one full module name."""
     ex = s.exclude_modules
     if ex:
         if isinstance(ex, str):
-            if re.fullmatch(ex, key):
+            if rx.fullmatch("exclude_modules", ex, key):
                 return False
         elif key in ex or any(key.endswith("." + e) for e in ex):
             return False
     tm = s.target_modules
     if isinstance(tm, str):
-        return tm == "all-linear" or re.fullmatch(tm, key) is not None
+        return tm == "all-linear" or rx.fullmatch("target_modules", tm, key) is not None
     if key in tm:
         return True
     if not any(key.endswith("." + t) for t in tm):
@@ -307,21 +431,21 @@ def _is_targeted(s: _Settings, key: str) -> bool:
     else:
         match = None
         for pattern in s.layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            match = rx.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
             if match:
                 break
     return match is not None and int(match.group("idx")) in s.layers_to_transform
 
 
-def _rank_alpha(s: _Settings, key: str) -> tuple[int, float]:
+def _rank_alpha(s: _Settings, key: str, rx: _Patterns) -> tuple[int, float]:
     """Rank and alpha of one module after rank_pattern / alpha_pattern (peft's get_pattern_key)."""
     r, alpha = s.r, s.alpha
     for pattern, value in s.rank_pattern.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if rx.match("rank_pattern", rf"(.*\.)?({pattern})$", key):
             r = value
             break
     for pattern, value in s.alpha_pattern.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if rx.match("alpha_pattern", rf"(.*\.)?({pattern})$", key):
             alpha = value
             break
     return r, alpha

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_llama import tiny_config
 from transformers import MistralConfig, Qwen2Config
 
-from loraplex.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
+from loraplex.lora.adapter import AdapterError, LoraAdapter, check_safetensors_header, load_peft_adapter
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
 
 ALL = list(MODULES)
@@ -359,3 +360,106 @@ def test_overflow_on_dtype_conversion(good, hf_config, tmp_path):
     edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.full((4, 64), 1e6)))
     load(folder, hf_config)  # fine in fp32
     expect_error(folder, hf_config, Q0_A, "overflows torch.float16", dtype=torch.float16)
+
+
+# hostile input: paths, safetensors headers, regexes ------------------------------------
+
+def test_error_messages_name_no_server_path(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.zeros(4, 32)))
+    for target in (folder, tmp_path / "nope"):
+        message = expect_error(target, hf_config, "adapter 't'")
+        assert str(tmp_path) not in message, message
+
+
+def _header_of(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n])
+
+
+def _with_header(header: dict, body: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + body
+
+
+def test_safetensors_header_is_checked_against_the_real_size(good):
+    data = (good[0] / WEIGHTS).read_bytes()
+    header = _header_of(data)
+    body = data[8 + int.from_bytes(data[:8], "little"):]
+    assert check_safetensors_header(data).keys() == {k for k in header if k != "__metadata__"}
+    names = sorted(k for k in header if k != "__metadata__")
+    b0, e0 = header[names[0]]["data_offsets"]
+
+    def lie(name, **changes):
+        return _with_header({**header, name: {**header[name], **changes}}, body)
+
+    cases = {
+        b"\x01\x02": "shorter than the 8-byte header length",
+        (2**40).to_bytes(8, "little") + b"{}": "header length",
+        (len(data)).to_bytes(8, "little") + data[8:]: "runs past the end",
+        data[:-1]: "data_offsets",
+        data + b"\0": "cover",
+        lie(names[0], data_offsets=[b0, 10**15]): "outside",
+        _with_header({**header, "zz.extra": header[names[0]]}, body): "overlapping",
+        lie(names[0], shape=[1]): "needs",
+        lie(names[0], dtype="F4"): "unknown dtype",
+        lie(names[0], shape=[-1, 4]): "non-negative",
+        _with_header({**header, names[0]: [1, 2]}, body): "expected dtype, shape and data_offsets",
+        _with_header({**header, "__metadata__": {"a": 1}}, body): "__metadata__",
+        b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]": "not a JSON object",
+    }
+    assert e0 - b0 > 0
+    for blob, fragment in cases.items():
+        with pytest.raises(AdapterError) as info:
+            check_safetensors_header(blob)
+        assert "not a valid safetensors file" in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+def test_safetensors_with_a_lying_header_is_refused_before_parsing(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    data = (folder / WEIGHTS).read_bytes()
+    header = _header_of(data)
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    header[name]["shape"] = [4, 10**6]
+    (folder / WEIGHTS).write_bytes(_with_header(header, data[8 + int.from_bytes(data[:8], "little"):]))
+    expect_error(folder, hf_config, "adapter 't': adapter_model.safetensors is not a valid safetensors file", name)
+
+
+def test_pickle_bytes_are_named_as_pickle(good):
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"x": torch.zeros(2)}, buf)
+    for blob in (buf.getvalue(), b"\x80\x04\x95garbage"):
+        with pytest.raises(AdapterError, match="pickle is refused"):
+            check_safetensors_header(blob)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("target_modules", "q" * 257),
+    ("exclude_modules", "k" * 300),
+    ("rank_pattern", {"q" * 257: 2}),
+    ("alpha_pattern", {"v" * 257: 2}),
+    ("layers_pattern", "l" * 257),
+])
+def test_long_regexes_are_refused(good, hf_config, tmp_path, field, value):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, **{field: value})
+    expect_error(folder, hf_config, f"{field} pattern is", "at most 256")
+
+
+SLOW = r"(.|..)+\d\d\d"  # exponential backtracking on a module name such as model.layers.1.self_attn.q_proj
+
+
+@pytest.mark.parametrize("field,value", [
+    ("target_modules", SLOW),
+    ("exclude_modules", SLOW),
+    ("rank_pattern", {SLOW: 2}),
+    ("alpha_pattern", {SLOW: 2}),
+])
+def test_catastrophic_regexes_time_out(good, hf_config, tmp_path, field, value):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, **{field: value})
+    t0 = time.monotonic()
+    expect_error(folder, hf_config, f"matching the {field} patterns took longer than 0.5 s")
+    assert time.monotonic() - t0 < 3.0

@@ -1,0 +1,393 @@
+"""The adapter store on disk: shared adapters, and per-tenant uploads with immutable versions.
+
+The folder is the source of truth for every replica serving it (several tritonservers on
+one shared volume). Layout under ``root``::
+
+    <name>/adapter_config.json                 shared adapters (served to every tenant)
+    .tenants/<tenant-dir>/TENANT               the tenant's name, for operators
+    .tenants/<tenant-dir>/.lock                flock: quota check + pointer change
+    .tenants/<tenant-dir>/adapters/<name>.json pointer to the current version (metadata)
+    .tenants/<tenant-dir>/versions/<name>/<version>/{adapter_config.json,adapter_model.safetensors}
+
+``tenant-dir`` is a sha256 prefix of the tenant name and ``<name>`` must match
+ADAPTER_NAME, so no name can steer a path. Every file is written atomically (``.tmp-*``
+file, fsync, rename, fsync the folder). A version that stops being current stays on disk
+for RETIRED_VERSION_GRACE_SECONDS (a request in flight elsewhere may reload it), then the
+tenant's next upload or delete removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .adapter import (CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, AdapterError, adapter_digest,
+                      check_safetensors_header, parse_peft_adapter)
+from .manager import AdapterNotFound
+from .shapes import MODULES, module_shapes
+
+if TYPE_CHECKING:
+    from ..tenancy import Tenant
+
+log = logging.getLogger("loraplex.store")
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANTS_DIR = ".tenants"
+TMP_PREFIX = ".tmp-"
+RETIRED_VERSION_GRACE_SECONDS = 600
+MAX_CONFIG_BYTES = 64 * 1024
+HEADER_ALLOWANCE = 64 * 1024  # safetensors header bytes allowed beyond 1 KiB per expected tensor
+NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+class AdapterStoreError(ValueError):
+    """An upload that is refused: a bad name, a bad adapter, or over a quota (INVALID_ARG)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAdapter:
+    """One tenant's current version of an adapter name, as its pointer file describes it."""
+
+    tenant: str
+    name: str
+    version: str
+    path: Path
+    digest: str
+    rank: int
+    target_modules: tuple[str, ...]
+    bytes: int
+    created: float
+
+    def to_json(self) -> dict:
+        """What list/info/upload return to the client (no server paths)."""
+        iso = datetime.fromtimestamp(self.created, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+        return {"name": self.name, "version": self.version, "rank": self.rank,
+                "target_modules": list(self.target_modules), "bytes": self.bytes, "digest": self.digest,
+                "created": iso, "created_unix": self.created}
+
+
+def not_found(name: str) -> AdapterNotFound:
+    """The one error for a name the tenant does not have (whether or not another tenant has it)."""
+    return AdapterNotFound(f"adapter {name!r} not found")
+
+
+def check_name(name) -> str:
+    """The adapter name if it is safe as a file name; AdapterStoreError otherwise."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        shown = name if not isinstance(name, str) or len(name) <= 80 else name[:80] + "..."
+        raise AdapterStoreError(f"invalid adapter name {shown!r}: use {NAME_RULE}")
+    return name
+
+
+def tenant_dir_name(tenant: str) -> str:
+    """The tenant's folder name under .tenants/: a sha256 prefix, so no tenant name can steer a path."""
+    return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def max_weights_bytes(hf_config, max_lora_rank: int) -> int:
+    """Size of the largest valid adapter_model.safetensors for this model: every module at max_lora_rank, in F64."""
+    layers = int(hf_config.num_hidden_layers)
+    elements = max_lora_rank * layers * sum(i + o for i, o in module_shapes(hf_config).values())
+    tensors = 2 * layers * len(MODULES)
+    return 8 + HEADER_ALLOWANCE + 1024 * tensors + elements * max(DTYPE_SIZES.values())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: temp file in the same folder, fsync, rename, fsync folder."""
+    tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class AdapterStore:
+    """Shared adapters and per-tenant uploads in one folder (see the module doc for the layout)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # reading (cheap: the engine calls lookup on every request naming an adapter) ---------------
+
+    def shared(self) -> dict[str, str]:
+        """PEFT folders directly under the root (served to every tenant): name -> path."""
+        if not self.root.is_dir():
+            return {}
+        return {p.name: str(p) for p in sorted(self.root.iterdir())
+                if not p.name.startswith(".") and (p / CONFIG_FILE).is_file()}
+
+    def _tenant_dir(self, tenant: str) -> Path:
+        return self.root / TENANTS_DIR / tenant_dir_name(tenant)
+
+    def lookup(self, tenant: str, name: str) -> StoredAdapter | None:
+        """The tenant's current version of ``name`` (one small JSON read), or None."""
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            return None
+        return self._read_pointer(tenant, self._tenant_dir(tenant) / "adapters" / f"{name}.json", name)
+
+    def list(self, tenant: str) -> list[StoredAdapter]:
+        """The tenant's adapters, sorted by name."""
+        folder = self._tenant_dir(tenant) / "adapters"
+        try:
+            entries = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            name = entry.removesuffix(".json")
+            if entry.endswith(".json") and ADAPTER_NAME.fullmatch(name):
+                adapter = self._read_pointer(tenant, folder / entry, name)
+                if adapter is not None:
+                    found.append(adapter)
+        return found
+
+    def info(self, tenant: str, name: str) -> StoredAdapter:
+        """The tenant's adapter ``name``; AdapterNotFound if it has none of that name."""
+        adapter = self.lookup(tenant, check_name(name))
+        if adapter is None:
+            raise not_found(name)
+        return adapter
+
+    def _read_pointer(self, tenant: str, path: Path, name: str) -> StoredAdapter | None:
+        try:
+            data = json.loads(path.read_bytes())
+            version = data["version"]
+            if data["name"] != name or not isinstance(version, str) or not ADAPTER_NAME.fullmatch(version):
+                raise ValueError("name or version does not fit the pointer")
+            return StoredAdapter(
+                tenant=tenant, name=name, version=version,
+                path=path.parent.parent / "versions" / name / version, digest=str(data["digest"]),
+                rank=int(data["rank"]), target_modules=tuple(map(str, data["target_modules"])),
+                bytes=int(data["bytes"]), created=float(data["created"]),
+            )
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable adapter pointer %s: %s", path, exc)
+            return None
+
+    # writing ---------------------------------------------------------------------------------
+
+    def upload(self, tenant: "Tenant", name: str, config_text: str, weights: bytes, hf_config,
+               max_lora_rank: int) -> StoredAdapter:
+        """Validate an adapter completely, then store it as the tenant's new current version of ``name``.
+
+        Raises AdapterStoreError for a bad name or adapter or a quota it would exceed;
+        nothing on disk changes unless it succeeds.
+        """
+        check_name(name)
+        config_bytes, weights = self._checked_files(name, config_text, weights, tenant, hf_config, max_lora_rank)
+        if tenant.max_adapters and self.lookup(tenant.name, name) is None \
+                and len(self.list(tenant.name)) >= tenant.max_adapters:
+            raise self._count_error(tenant)  # early; checked again under the lock
+        try:
+            adapter = parse_peft_adapter(config_bytes, weights, name, hf_config, max_lora_rank)
+        except AdapterError as exc:
+            raise AdapterStoreError(str(exc)) from None
+        if tenant.max_adapter_rank and adapter.rank > tenant.max_adapter_rank:
+            raise AdapterStoreError(f"adapter {name!r} has rank {adapter.rank}, above the max_adapter_rank quota "
+                                    f"({tenant.max_adapter_rank}) of tenant {tenant.name!r}")
+        modules = tuple(sorted({m for _, m in adapter.weights}, key=MODULES.index))
+        version = adapter.digest[:16]  # content-addressed: the same bytes are the same immutable folder
+        meta = {"name": name, "version": version, "digest": adapter.digest, "rank": adapter.rank,
+                "target_modules": sorted(modules), "bytes": len(weights), "created": time.time()}
+        tdir = self._tenant_dir_for_writing(tenant.name)
+        with self._locked(tdir):
+            pointer = tdir / "adapters" / f"{name}.json"
+            old = self._read_pointer(tenant.name, pointer, name)
+            if old is None and tenant.max_adapters and len(self.list(tenant.name)) >= tenant.max_adapters:
+                raise self._count_error(tenant)
+            self._gc(tdir, keep={(name, version)})
+            target = tdir / "versions" / name / version
+            if not target.is_dir():
+                self._install(target, config_bytes, weights, adapter.digest)
+            (tdir / "adapters").mkdir(exist_ok=True)
+            write_atomic(pointer, json.dumps(meta, sort_keys=True).encode())
+            if old is not None and old.version != version:
+                _touch(old.path)  # retired now: the grace period starts
+        stored = self._read_pointer(tenant.name, pointer, name)
+        log.info("adapter uploaded: tenant=%s name=%s version=%s digest=%s rank=%d bytes=%d",
+                 tenant.name, name, version, adapter.digest, adapter.rank, len(weights))
+        return stored
+
+    def delete(self, tenant: str, name: str) -> StoredAdapter:
+        """Remove the tenant's adapter ``name`` (its version stays readable for the grace period)."""
+        check_name(name)
+        tdir = self._tenant_dir(tenant)
+        if not (tdir / ".lock").is_file():
+            raise not_found(name)
+        with self._locked(tdir):
+            pointer = tdir / "adapters" / f"{name}.json"
+            old = self._read_pointer(tenant, pointer, name)
+            if old is None:
+                raise not_found(name)
+            pointer.unlink()
+            _fsync_dir(pointer.parent)
+            _touch(old.path)
+            self._gc(tdir)
+        log.info("adapter deleted: tenant=%s name=%s version=%s digest=%s", tenant, name, old.version, old.digest)
+        return old
+
+    # helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _count_error(tenant: "Tenant") -> AdapterStoreError:
+        return AdapterStoreError(f"tenant {tenant.name!r} already has {tenant.max_adapters} adapter(s), its "
+                                 f"max_adapters quota: delete one, or upload under an existing name to replace it")
+
+    @staticmethod
+    def _checked_files(name: str, config_text, weights, tenant: "Tenant", hf_config,
+                       max_lora_rank: int) -> tuple[bytes, bytes]:
+        """Cheap checks before anything is parsed: types, sizes, quotas, the safetensors header."""
+        if not isinstance(config_text, str):
+            raise AdapterStoreError(f"adapter_config must be the text of {CONFIG_FILE}")
+        config_bytes = config_text.encode("utf-8", "surrogatepass")
+        if len(config_bytes) > MAX_CONFIG_BYTES:
+            raise AdapterStoreError(f"adapter_config is {len(config_bytes)} bytes; at most {MAX_CONFIG_BYTES} "
+                                    f"are allowed")
+        if not config_bytes.strip():
+            raise AdapterStoreError(f"adapter_config is empty: send the text of {CONFIG_FILE}")
+        if not isinstance(weights, (bytes, bytearray, memoryview)) or not weights:
+            raise AdapterStoreError(f"adapter_weights is empty: send the bytes of {WEIGHTS_FILE}")
+        weights = bytes(weights)
+        if tenant.max_adapter_bytes and len(weights) > tenant.max_adapter_bytes:
+            raise AdapterStoreError(f"adapter_weights is {len(weights)} bytes, above the max_adapter_bytes quota "
+                                    f"({tenant.max_adapter_bytes} bytes) of tenant {tenant.name!r}")
+        limit = max_weights_bytes(hf_config, max_lora_rank)
+        if len(weights) > limit:
+            raise AdapterStoreError(f"adapter_weights is {len(weights)} bytes, more than any valid adapter of "
+                                    f"this model at max_lora_rank {max_lora_rank} ({limit} bytes)")
+        try:
+            check_safetensors_header(weights)
+        except AdapterError as exc:
+            raise AdapterStoreError(f"adapter {name!r}: {exc}") from None
+        return config_bytes, weights
+
+    def _tenant_dir_for_writing(self, tenant: str) -> Path:
+        """The tenant's folder with its TENANT file and lock file, created on first use."""
+        tdir = self._tenant_dir(tenant)
+        tenant_file = tdir / "TENANT"
+        if tenant_file.is_file():
+            if tenant_file.read_text(encoding="utf-8", errors="replace").strip() != tenant:
+                raise AdapterStoreError("tenant folder name collision; ask the operator")  # sha256 prefix: never
+            return tdir
+        tdir.mkdir(parents=True, exist_ok=True)
+        (tdir / ".lock").touch(exist_ok=True)
+        write_atomic(tenant_file, tenant.encode("utf-8", "surrogatepass") + b"\n")
+        _fsync_dir(tdir.parent)
+        return tdir
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _locked(tdir: Path):
+        """Hold the tenant's flock (shared by every replica on this store)."""
+        with open(tdir / ".lock", "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    @staticmethod
+    def _install(target: Path, config_bytes: bytes, weights: bytes, digest: str) -> None:
+        """Write a version folder: staging folder, fsync each file, verify, rename, fsync the parent."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            _write_synced(staging / CONFIG_FILE, config_bytes)
+            _write_synced(staging / WEIGHTS_FILE, weights)
+            _fsync_dir(staging)
+            written = adapter_digest((staging / CONFIG_FILE).read_bytes(), (staging / WEIGHTS_FILE).read_bytes())
+            if written != digest:
+                raise OSError(f"adapter files read back differ from those written ({written} != {digest})")
+            os.rename(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(target.parent)
+
+    def _gc(self, tdir: Path, keep: set[tuple[str, str]] = frozenset()) -> None:
+        """Remove version folders no pointer names and stale ``.tmp-*`` leftovers, once past the grace period."""
+        cutoff = time.time() - RETIRED_VERSION_GRACE_SECONDS
+        current = {(a.name, a.version) for a in self._current(tdir)} | set(keep)
+        for folder in (tdir / "adapters", tdir):
+            _remove_stale_tmp(folder, cutoff)
+        versions = tdir / "versions"
+        if not versions.is_dir():
+            return
+        for name_dir in versions.iterdir():
+            for entry in list(name_dir.iterdir()) if name_dir.is_dir() else []:
+                if (name_dir.name, entry.name) in current:
+                    continue
+                try:
+                    stale = entry.lstat().st_mtime < cutoff
+                except FileNotFoundError:
+                    continue
+                if stale:
+                    log.info("removing retired adapter version %s", entry)
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                name_dir.rmdir()  # only when empty
+
+    def _current(self, tdir: Path) -> list[StoredAdapter]:
+        """Current adapters of a tenant folder (tenant name left empty: for garbage collection)."""
+        folder = tdir / "adapters"
+        if not folder.is_dir():
+            return []
+        return [a for e in sorted(os.listdir(folder)) if e.endswith(".json") and not e.startswith(".")
+                for a in [self._read_pointer("", folder / e, e.removesuffix(".json"))] if a is not None]
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path)
+
+
+def _remove_stale_tmp(folder: Path, cutoff: float) -> None:
+    """Remove ``.tmp-*`` files/folders in ``folder`` older than ``cutoff`` (left by crashed writers)."""
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name.startswith(TMP_PREFIX):
+            try:
+                if entry.lstat().st_mtime >= cutoff:
+                    continue
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)

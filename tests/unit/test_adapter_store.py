@@ -1,0 +1,372 @@
+"""AdapterStore: uploads validated before anything is stored, atomic versions, names, quotas, GC, flock."""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save
+from tiny_llama import tiny_config
+from transformers import LlamaForCausalLM
+
+from loraplex.lora.adapter import adapter_digest
+from loraplex.lora.manager import AdapterNotFound
+from loraplex.lora.store import (RETIRED_VERSION_GRACE_SECONDS, AdapterStore, AdapterStoreError, max_weights_bytes,
+                                 tenant_dir_name)
+from loraplex.tenancy import Tenant
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_RANK = 16
+ACME, GLOBEX = Tenant("acme", b"a"), Tenant("globex", b"g")
+
+
+def _peft_files(model, tmp_path_factory, seed: int, **kw) -> tuple[str, bytes]:
+    kw.setdefault("r", 4)
+    kw.setdefault("lora_alpha", 8)
+    kw.setdefault("target_modules", ["q_proj", "v_proj"])
+    torch.manual_seed(seed)
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kw))
+    folder = tmp_path_factory.mktemp("peft")
+    pm.save_pretrained(str(folder))
+    return (folder / "adapter_config.json").read_text(), (folder / "adapter_model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def make(base_model, tmp_path_factory):
+    """make(seed, **LoraConfig kwargs) -> (adapter_config.json text, adapter_model.safetensors bytes)."""
+    return lambda seed=1, **kw: _peft_files(base_model, tmp_path_factory, seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def good(make):
+    return make(1)
+
+
+@pytest.fixture(scope="module")
+def other_model_files(tmp_path_factory):
+    """A valid PEFT adapter of a different (wider) model: wrong shapes for ours."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(hidden_size=96)).eval()
+    return _peft_files(model, tmp_path_factory, 5)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return AdapterStore(tmp_path / "store")
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root with its sha256 (folders as 'dir'): what 'unchanged' means."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))}
+
+
+def upload(store, tenant, name, files, hf_config, max_rank=MAX_RANK):
+    return store.upload(tenant, name, files[0], files[1], hf_config, max_rank)
+
+
+# round trip --------------------------------------------------------------------------
+
+def test_upload_lookup_list_info_delete(store, good, make, hf_config):
+    stored = upload(store, ACME, "support", good, hf_config)
+    assert (stored.tenant, stored.name, stored.rank, stored.target_modules) == ("acme", "support", 4,
+                                                                                ("q_proj", "v_proj"))
+    assert stored.digest == adapter_digest(good[0].encode(), good[1]) and stored.bytes == len(good[1])
+    assert (stored.path / "adapter_model.safetensors").read_bytes() == good[1]
+    assert (stored.path / "adapter_config.json").read_text() == good[0]
+    assert stored.path == store.root / ".tenants" / tenant_dir_name("acme") / "versions" / "support" / stored.version
+    assert store.lookup("acme", "support") == stored == store.info("acme", "support")
+    upload(store, ACME, "billing", make(2, r=8, target_modules=ALL), hf_config)
+    assert [a.name for a in store.list("acme")] == ["billing", "support"]
+    assert store.list("acme")[0].target_modules == tuple(sorted(ALL))
+    info = stored.to_json()
+    assert set(info) == {"name", "version", "rank", "target_modules", "bytes", "digest", "created", "created_unix"}
+    assert info["created"].endswith("Z") and abs(info["created_unix"] - time.time()) < 60
+    assert str(store.root) not in json.dumps([a.to_json() for a in store.list("acme")])
+    assert store.delete("acme", "support") == stored
+    assert store.lookup("acme", "support") is None and [a.name for a in store.list("acme")] == ["billing"]
+    with pytest.raises(AdapterNotFound) as info:
+        store.delete("acme", "support")
+    assert str(info.value.args[0]) == "adapter 'support' not found"
+
+
+def test_tenant_folder_is_a_digest_and_names_its_tenant(store, good, hf_config):
+    upload(store, ACME, "x", good, hf_config)
+    tdir = store.root / ".tenants" / hashlib.sha256(b"acme").hexdigest()[:32]
+    assert (tdir / "TENANT").read_text() == "acme\n"
+    assert json.loads((tdir / "adapters" / "x.json").read_text())["name"] == "x"
+    assert not list(store.root.rglob(".tmp-*"))
+
+
+def test_shared_adapters_are_the_folders_under_the_root(store, good, hf_config):
+    (store.root / "shared-a").mkdir(parents=True)
+    (store.root / "shared-a" / "adapter_config.json").write_text(good[0])
+    (store.root / "not-an-adapter").mkdir()
+    upload(store, ACME, "x", good, hf_config)
+    assert store.shared() == {"shared-a": str(store.root / "shared-a")}
+    assert AdapterStore(store.root / "nothing-here").shared() == {}
+
+
+def test_other_tenants_adapters_are_not_found_exactly_like_missing_ones(store, tmp_path, good, hf_config):
+    upload(store, ACME, "secret", good, hf_config)
+    empty = AdapterStore(tmp_path / "empty")
+    before = snapshot(store.root)
+    assert store.lookup("globex", "secret") is None and store.list("globex") == []
+    for op in ("info", "delete"):
+        with pytest.raises(AdapterNotFound) as theirs:
+            getattr(store, op)("globex", "secret")
+        with pytest.raises(AdapterNotFound) as nobodys:
+            getattr(empty, op)("globex", "secret")
+        assert str(theirs.value) == str(nobodys.value) == repr("adapter 'secret' not found")
+    assert snapshot(store.root) == before
+
+
+def test_same_name_in_two_tenants_are_two_adapters(store, make, hf_config):
+    a = upload(store, ACME, "support", make(1), hf_config)
+    g = upload(store, GLOBEX, "support", make(2), hf_config)
+    assert a.digest != g.digest and a.path != g.path
+    store.delete("globex", "support")
+    assert store.lookup("acme", "support") == a
+
+
+# refusals: nothing stored --------------------------------------------------------------
+
+BAD_NAMES = ["../x", "a/b", ".hidden", "x" * 65, "caf\u00e9", "", "..", "x\x00", "-dash", " x", "a\\b"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_unsafe_names_are_refused(store, good, hf_config, name):
+    upload(store, ACME, "ok", good, hf_config)
+    before = snapshot(store.root)
+    with pytest.raises(AdapterStoreError, match="invalid adapter name"):
+        upload(store, ACME, name, good, hf_config)
+    for op in (store.info, store.delete):
+        with pytest.raises(AdapterStoreError, match="invalid adapter name"):
+            op("acme", name)
+    assert store.lookup("acme", name) is None
+    assert snapshot(store.root) == before
+
+
+def _pickle_bytes(files) -> bytes:
+    from safetensors.torch import load
+
+    buf = io.BytesIO()
+    torch.save(load(files[1]), buf)
+    return buf.getvalue()
+
+
+def _lying_header(data: bytes, **entry_changes) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    first = sorted(k for k in header if k != "__metadata__")[0]
+    header[first].update(entry_changes)
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
+
+
+def _refusals(good, make, other_model_files):
+    data = good[1]
+    n = int.from_bytes(data[:8], "little")
+    big = Tenant("acme", b"a", max_adapter_rank=4, max_adapter_bytes=3 * len(data))
+    cases = {
+        "pickle": (ACME, (good[0], _pickle_bytes(good)), "pickle is refused"),
+        "garbage": (ACME, (good[0], b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!"), "not a valid safetensors file"),
+        "empty weights": (ACME, (good[0], b""), "adapter_weights is empty"),
+        "header past the end": (ACME, (good[0], (len(data)).to_bytes(8, "little") + data[8:]), "runs past the end"),
+        "truncated data": (ACME, (good[0], data[:-4]), "data_offsets"),
+        "trailing bytes": (ACME, (good[0], data + b"\0" * 8), "cover"),
+        "offsets lie": (ACME, (good[0], _lying_header(data, data_offsets=[0, 10**12])), "outside"),
+        "shape lies": (ACME, (good[0], _lying_header(data, shape=[4, 4096])), "needs"),
+        "unknown dtype": (ACME, (good[0], _lying_header(data, dtype="X9")), "unknown dtype"),
+        "header not json": (ACME, (good[0], n.to_bytes(8, "little") + b"\xff" * n + data[8 + n:]), "not valid JSON"),
+        "config not json": (ACME, ("{nope", data), "adapter_config.json is not valid JSON"),
+        "config too big": (ACME, (" " * (64 * 1024 + 1), data), "at most 65536"),
+        "wrong shapes": (ACME, other_model_files, "has shape"),
+        "rank over server": (ACME, make(3, r=32), "above the server's max_lora_rank 16"),
+        "rank over quota": (big, make(4, r=8), "above the max_adapter_rank quota (4) of tenant 'acme'"),
+        "bytes over quota": (big, make(4, r=4, target_modules=ALL), "above the max_adapter_bytes quota"),
+        "bigger than any valid adapter": (ACME, (good[0], data + b" " * (10 << 20)), "more than any valid adapter"),
+        "unknown module": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": ["lm_head"]}), data),
+                           "unknown target module"),
+    }
+    assert sorted(cases) == sorted(REFUSALS)
+    return cases
+
+
+REFUSALS = ["pickle", "garbage", "empty weights", "header past the end", "truncated data", "trailing bytes",
+            "offsets lie", "shape lies", "unknown dtype", "header not json", "config not json", "config too big",
+            "wrong shapes", "rank over server", "rank over quota", "bytes over quota",
+            "bigger than any valid adapter", "unknown module"]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refused_uploads_leave_the_store_unchanged(store, good, make, other_model_files, hf_config, case):
+    upload(store, ACME, "support", good, hf_config)
+    tenant, files, fragment = _refusals(good, make, other_model_files)[case]
+    for name in ("support", "new"):  # replacing an adapter, and a new name
+        before = snapshot(store.root)
+        with pytest.raises(AdapterStoreError) as info:
+            upload(store, tenant, name, files, hf_config)
+        assert fragment in str(info.value), str(info.value)
+        assert str(store.root) not in str(info.value)
+        assert snapshot(store.root) == before
+    assert store.lookup("acme", "support").digest == adapter_digest(good[0].encode(), good[1])
+
+
+def test_a_refused_first_upload_creates_nothing(store, good, hf_config):
+    with pytest.raises(AdapterStoreError, match="pickle is refused"):
+        upload(store, ACME, "x", (good[0], _pickle_bytes(good)), hf_config)
+    assert not store.root.exists()
+
+
+def test_max_adapters_counts_names_and_replacing_is_allowed(store, make, hf_config):
+    tenant = Tenant("acme", b"a", max_adapters=2)
+    upload(store, tenant, "a", make(1), hf_config)
+    upload(store, tenant, "b", make(2), hf_config)
+    before = snapshot(store.root)
+    with pytest.raises(AdapterStoreError, match="already has 2 adapter\\(s\\), its max_adapters quota"):
+        upload(store, tenant, "c", make(3), hf_config)
+    assert snapshot(store.root) == before
+    replaced = upload(store, tenant, "b", make(3), hf_config)
+    assert store.lookup("acme", "b") == replaced
+    store.delete("acme", "a")
+    upload(store, tenant, "c", make(4), hf_config)
+    assert [a.name for a in store.list("acme")] == ["b", "c"]
+
+
+def test_largest_valid_adapter_fits_the_size_bound(hf_config, make):
+    files = make(9, r=MAX_RANK, target_modules=ALL)
+    from safetensors.torch import load
+
+    f64 = save({k: v.double() for k, v in load(files[1]).items()})
+    assert len(f64) <= max_weights_bytes(hf_config, MAX_RANK) < 2 * len(f64)
+
+
+# versions, grace period, garbage collection ---------------------------------------------
+
+def _age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_replaced_and_deleted_versions_stay_for_the_grace_period(store, make, hf_config):
+    v1 = upload(store, ACME, "x", make(1), hf_config)
+    _age(v1.path, 2 * RETIRED_VERSION_GRACE_SECONDS)  # long current: its mtime is old
+    v2 = upload(store, ACME, "x", make(2), hf_config)
+    assert v1.version != v2.version and store.lookup("acme", "x") == v2
+    assert (v1.path / "adapter_model.safetensors").is_file()  # retired just now: still readable
+    assert v1.path.stat().st_mtime > time.time() - 60
+    same = upload(store, ACME, "x", make(2), hf_config)  # the same bytes are the same version
+    assert same.version == v2.version
+    _age(v1.path, RETIRED_VERSION_GRACE_SECONDS + 5)
+    upload(store, ACME, "y", make(3), hf_config)  # any upload of the tenant collects its garbage
+    assert not v1.path.exists() and v2.path.is_dir()
+    store.delete("acme", "x")
+    assert v2.path.is_dir()  # deleted, but a request elsewhere may still reload it
+    _age(v2.path, RETIRED_VERSION_GRACE_SECONDS + 5)
+    store.delete("acme", "y")
+    assert not v2.path.exists() and not v2.path.parent.exists()
+
+
+def test_a_retired_version_uploaded_again_is_not_collected(store, make, hf_config):
+    v1 = upload(store, ACME, "x", make(1), hf_config)
+    upload(store, ACME, "x", make(2), hf_config)
+    _age(v1.path, RETIRED_VERSION_GRACE_SECONDS + 5)
+    again = upload(store, ACME, "x", make(1), hf_config)
+    assert again.version == v1.version and (again.path / "adapter_model.safetensors").is_file()
+
+
+def test_crashed_writers_leftovers_are_removed_after_the_grace(store, good, hf_config):
+    v = upload(store, ACME, "x", good, hf_config)
+    tdir = v.path.parent.parent.parent
+    old_tmp, new_tmp = v.path.parent / ".tmp-dead", tdir / "adapters" / ".tmp-fresh-x.json"
+    old_tmp.mkdir()
+    (old_tmp / "adapter_model.safetensors").write_bytes(b"partial")
+    new_tmp.write_bytes(b"{")
+    _age(old_tmp, RETIRED_VERSION_GRACE_SECONDS + 5)
+    store.delete("acme", "x")
+    assert not old_tmp.exists() and new_tmp.exists()
+    assert store.list("acme") == []  # a temp file is never taken for a pointer
+
+
+def test_unreadable_pointer_is_ignored(store, good, hf_config):
+    v = upload(store, ACME, "x", good, hf_config)
+    pointer = v.path.parent.parent.parent / "adapters" / "x.json"
+    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "version": "../../../etc"}))
+    assert store.lookup("acme", "x") is None and store.list("acme") == []
+
+
+# two replicas ---------------------------------------------------------------------------
+
+HOLD_LOCK = """
+import fcntl, sys
+f = open(sys.argv[1], "a+b")
+fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_quota_is_checked_again_under_the_tenants_flock(store, make, hf_config):
+    """Replica A holds the tenant's lock while it adds a name; B's upload waits, then sees the quota full."""
+    tenant = Tenant("acme", b"a", max_adapters=2)
+    first = upload(store, tenant, "a", make(1), hf_config)
+    tdir = first.path.parent.parent.parent
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tdir / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        other_replica = AdapterStore(store.root)
+        outcome = []
+
+        def run():
+            try:
+                outcome.append(upload(other_replica, tenant, "c", make(3), hf_config))
+            except AdapterStoreError as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(1.0)  # past its early quota check (1 of 2), now waiting for the lock
+        assert t.is_alive() and outcome == []
+        # what replica A does under its lock: a second name becomes current
+        meta = json.loads((tdir / "adapters" / "a.json").read_text())
+        (tdir / "adapters" / "b.json").write_text(json.dumps({**meta, "name": "b"}))
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(10)
+    t.join(30)
+    assert isinstance(outcome[0], AdapterStoreError) and "max_adapters quota" in str(outcome[0])
+    assert [a.name for a in store.list("acme")] == ["a", "b"]
+
+
+def test_replicas_see_each_others_changes_at_once(store, make, hf_config):
+    replica = AdapterStore(store.root)
+    v = upload(store, ACME, "x", make(1), hf_config)
+    assert replica.lookup("acme", "x") == v
+    v2 = upload(replica, ACME, "x", make(2), hf_config)
+    assert store.lookup("acme", "x") == v2
+    replica.delete("acme", "x")
+    assert store.lookup("acme", "x") is None
+
+
+def test_lock_file_is_flockable(store, good, hf_config):
+    v = upload(store, ACME, "x", good, hf_config)
+    with open(v.path.parent.parent.parent / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds it between operations
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
