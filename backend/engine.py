@@ -7,8 +7,7 @@ import logging
 import threading
 import time
 from collections import deque
-from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,30 +16,29 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
 from .lora.adapter import AdapterError
+from .lora.catalog import AdapterCatalog, AdapterVersions
 from .lora.manager import AdapterManager, AdapterNotFound
 from .lora.shapes import module_shapes
 from .lora.slots import LoraSlots
+from .lora.store import AdapterStore
+from .metrics import TenantLabels
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel
 from .models.loader import load_hf_config
 from .request import (
     EngineOverloaded, EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
-    SamplingParams, Sequence, SeqStatus, show,
+    SamplingParams, Sequence, SeqStatus,
 )
+from .quotas import TenantQuotas
 from .sampler import make_generator
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .tenancy import Tenant
 
 log = logging.getLogger("loraplex.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def store_adapters(store: str) -> dict[str, str]:
-    """PEFT folders directly under the adapter store: name -> path."""
-    root = Path(store) if store else None
-    if root is None or not root.is_dir():
-        return {}
-    return {p.name: str(p) for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}
 
 
 def resolve_device_dtype(config: EngineConfig, checkpoint_dtype) -> tuple[torch.device, torch.dtype]:
@@ -80,8 +78,13 @@ class LLMEngine:
         self.adapters = AdapterManager(
             self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, self.dtype
         )
-        for name, path in {**store_adapters(config.adapter_store), **config.multi_lora}.items():
+        store = AdapterStore(config.adapter_store) if config.adapter_store else None
+        self.catalog = AdapterCatalog(store, {**(store.shared() if store else {}), **config.multi_lora})
+        for name, path in self.catalog.shared.items():
             self.adapters.register(name, path)
+        self.versions = AdapterVersions(self.adapters, max_idle=config.max_cpu_loras)
+        self.quotas = TenantQuotas()
+        self.tenant_labels = TenantLabels(config.max_metric_tenants)
         self.num_host_blocks = self._num_host_blocks()
         self.eos_token_ids = self._eos_ids(hf_config)
         self.vocab_size = hf_config.vocab_size
@@ -101,8 +104,8 @@ class LLMEngine:
         self._num_accepted = 0  # requests add_request accepted (any thread, under the lock)
         self._num_drained = 0  # of those, taken from the inbox by the loop thread
         self.num_steps = 0
-        self.generated_tokens: dict[str, int] = {}  # per tenant (metrics)
-        self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant, finish reason)
+        self.generated_tokens: dict[str, int] = {}  # per tenant label (metrics)
+        self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant label, finish reason)
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
                  config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
@@ -138,8 +141,12 @@ class LLMEngine:
         return {i for i in flat if i is not None}
 
     # ---- called from any thread ------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default") -> Request:
-        """Tokenize and validate; raises InvalidRequest or AdapterNotFound (nothing is queued)."""
+    def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default",
+                     limits: "Tenant | None" = None) -> Request:
+        """Tokenize, validate and resolve the adapter within the tenant; raises InvalidRequest or AdapterNotFound.
+
+        `limits` is the tenant's weight and quotas (None: weight 1, no quotas). Nothing is queued.
+        """
         if not prompt:
             raise InvalidRequest("text_input is empty")
         ids = self.tokenizer(prompt).input_ids
@@ -158,11 +165,13 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: a sequence may need {need} KV "
                 f"blocks of {bs} tokens, but the KV cache has {usable} for sequences"
             )
-        if params.lora_name and params.lora_name not in self.adapters.names():
-            # vllm_backend's exact text (its clients compare it)
-            raise AdapterNotFound(f"LoRA {show(params.lora_name, 200)[1:-1]} is not supported, "
-                                  f"we currently support {self.adapters.names()}")
-        return Request(request_id, prompt, ids, params, tenant, adapter_key=params.lora_name)
+        request = Request(request_id, prompt, ids, params, tenant, limits=limits)
+        if params.lora_name:
+            request.adapter_key, path, uploaded = self.catalog.resolve(tenant, params.lora_name)
+            request.adapter_path = path if uploaded else None
+        authenticated = limits is not None and limits.authenticated
+        request.metric_label = self.tenant_labels.label(tenant, authenticated)
+        return request
 
     def _check_limits(self, params: SamplingParams) -> None:
         """Bounds that depend on the engine: n, logprobs, stop token ids."""
@@ -180,7 +189,8 @@ class LLMEngine:
                 raise InvalidRequest(message)
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request; raises EngineOverloaded when max_waiting_requests are already waiting."""
+        """Queue a validated request; raises EngineOverloaded when max_waiting_requests are already waiting,
+        or QuotaExceeded over the tenant's max_queued_requests or tokens_per_minute."""
         with self._accept_lock:
             if self._closed:
                 raise EngineShuttingDown("the model is shutting down; retry on another replica")
@@ -190,6 +200,7 @@ class LLMEngine:
                     f"server overloaded: {waiting} requests are waiting "
                     f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
                 )
+            self.quotas.accept(request)
             self._num_accepted += 1
             self._inbox.append(("add", request))
         self._wake.set()
@@ -213,6 +224,8 @@ class LLMEngine:
         """
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        for seq in batch.admitted:
+            self.quotas.started(seq.request)
         if batch.finished:
             outputs += self._outputs(batch.finished)
         if batch.empty:
@@ -285,6 +298,9 @@ class LLMEngine:
     def _new_sequences(self, request: Request) -> list[Sequence]:
         """The request's n samples, ready to queue (sample 0 carries the others as forks)."""
         params = request.params
+        if request.adapter_path is not None:
+            self.versions.use(request)  # an uploaded version: registered while requests use it
+            request.holds_version = True
         if request.adapter_key:
             self.adapters.refresh(request.adapter_key)  # changed or deleted on disk: new requests see it
             request.adapter_digest = self.adapters.digest(request.adapter_key)
@@ -316,8 +332,9 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
-        tenant = seq.request.tenant
-        self.generated_tokens[tenant] = self.generated_tokens.get(tenant, 0) + len(new_ids)
+        label = seq.request.metric_label
+        self.generated_tokens[label] = self.generated_tokens.get(label, 0) + len(new_ids)
+        self.quotas.served(seq.request, len(new_ids))
         output = RequestOutput(
             request_id=seq.request.request_id,
             index=seq.index,
@@ -331,7 +348,7 @@ class LLMEngine:
         )
         if finished and self._all_finished(seq):
             self._requests.pop(seq.request.request_id, None)
-            self._count_finished(seq.request, seq.finish_reason.value)
+            self._ended(seq.request, seq.finish_reason.value)
         return output
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -369,12 +386,17 @@ class LLMEngine:
 
     def _error_output(self, request: Request, exc: Exception, reason: str = "error") -> RequestOutput:
         """The one final output of a request that ends in an error."""
-        self._count_finished(request, reason)
+        self._ended(request, reason)
         return RequestOutput(request.request_id, 0, "", [], True, finish_reason=reason, error=exc)
 
-    def _count_finished(self, request: Request, reason: str) -> None:
-        key = (request.tenant, reason)
+    def _ended(self, request: Request, reason: str) -> None:
+        """Once per request, however it ended: count it, return its quota and adapter-version uses."""
+        key = (request.metric_label, reason)
         self.finished_requests[key] = self.finished_requests.get(key, 0) + 1
+        self.quotas.started(request)  # never started: it no longer counts as queued
+        if request.holds_version:
+            request.holds_version = False
+            self.versions.done(request)
 
     def _all_finished(self, seq: Sequence) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))

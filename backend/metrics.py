@@ -2,6 +2,29 @@
 
 from __future__ import annotations
 
+import threading
+
+OTHER_TENANTS = "other"
+
+
+class TenantLabels:
+    """Bounded tenant label values: authenticated tenants (a tenants file) keep their names; in
+    development mode the first `max_distinct` names clients send do, and the rest count as "other"."""
+
+    def __init__(self, max_distinct: int):
+        self.max_distinct = max_distinct
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, tenant: str, authenticated: bool) -> str:
+        if authenticated or tenant in self._seen:
+            return tenant
+        with self._lock:
+            if len(self._seen) < self.max_distinct:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER_TENANTS
+
 
 class TritonMetrics:
     """Publishes engine state once per step through pb_utils.MetricFamily."""

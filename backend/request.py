@@ -234,7 +234,10 @@ class Request:
     adapter_digest: str | None = None  # set at admission; part of the prefix-cache namespace
     limits: "Tenant | None" = None  # the tenant's weight and quotas (None: weight 1, no quotas)
     adapter_key: str | None = None  # the AdapterManager name lora_name resolved to (tenant's upload or shared)
-    adapter_path: str | None = None  # its folder on disk
+    adapter_path: str | None = None  # folder of the uploaded version it resolved to (None: a shared adapter)
+    metric_label: str = "default"  # the tenant as metrics show it (bounded cardinality)
+    queued: bool = False  # counted in its tenant's max_queued_requests (accepted, not yet started)
+    holds_version: bool = False  # counted as a user of its uploaded adapter version (AdapterVersions)
 
 
 @dataclass(slots=True, eq=False)

@@ -91,15 +91,15 @@ class TritonPythonModel:
 
     def _enqueue(self, request, sender) -> None:
         parameters = json.loads(request.parameters() or "{}")
-        tenant = self.tenants.resolve(parameters)  # a missing or wrong key is refused before any other work
+        tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key is refused before any other work
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        parsed = parse_generate_input(inputs, parameters, tenant)
+        parsed = parse_generate_input(inputs, parameters, tenant.name)
         request_id = f"{next(self.ids)}:{request.request_id()}"
-        engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, parsed.tenant)
+        engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, tenant.name, tenant)
         self.responder.register(
             request_id, sender, parsed.stream, parsed.prompt, parsed.exclude_input, parsed.returns, parsed.params.n
         )
