@@ -43,6 +43,7 @@ def usage_text(server: TritonServer, lora_name: str | None = "demo-a", api_keys:
     lora = f', "lora_name": "{lora_name}"' if lora_name else ""
     header = '"x-api-key": "<your key>"' if api_keys else '"x-tenant-id": "acme"'
     key = ', "api_key": "<your key>"' if api_keys else ""
+    auth = "--api-key <your key>" if api_keys else "--tenant acme"
     return f"""\
 Loraplex is serving model 'lora_llm':
   HTTP     {server.http_url}
@@ -64,6 +65,10 @@ Python gRPC streaming (tritonclient):
   c.async_stream_infer("lora_llm", [inp("text_input", "Hello", "BYTES"), inp("stream", True, "BOOL"),
                        inp("sampling_parameters", json.dumps({{"max_tokens": 16{lora}}}), "BYTES")])
   c.stop_stream()
+
+Your own adapters (a PEFT folder; served to your tenant only, usable at once):
+  loraplex-adapters --url {grpc} {auth} upload ./my-adapter --name support
+  loraplex-adapters --url {grpc} {auth} list
 """
 
 
