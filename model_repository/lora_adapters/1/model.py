@@ -1,0 +1,1 @@
+from loraplex.triton.adapters_model import TritonPythonModel  # noqa: F401
