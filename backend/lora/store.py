@@ -201,7 +201,7 @@ class AdapterStore:
 
     # writing ---------------------------------------------------------------------------------
 
-    def upload(self, tenant: "Tenant", name: str, config_text: str, weights: bytes, hf_config,
+    def upload(self, tenant: Tenant, name: str, config_text: str, weights: bytes, hf_config,
                max_lora_rank: int) -> StoredAdapter:
         """Validate an adapter completely, then store it as the tenant's new current version of ``name``.
 
@@ -220,10 +220,10 @@ class AdapterStore:
         if tenant.max_adapter_rank and adapter.rank > tenant.max_adapter_rank:
             raise AdapterStoreError(f"adapter {name!r} has rank {adapter.rank}, above the max_adapter_rank quota "
                                     f"({tenant.max_adapter_rank}) of tenant {tenant.name!r}")
-        modules = tuple(sorted({m for _, m in adapter.weights}, key=MODULES.index))
+        modules = sorted({m for _, m in adapter.weights})
         version = adapter.digest[:16]  # content-addressed: the same bytes are the same immutable folder
         meta = {"name": name, "version": version, "digest": adapter.digest, "rank": adapter.rank,
-                "target_modules": sorted(modules), "bytes": len(weights), "created": time.time()}
+                "target_modules": modules, "bytes": len(weights), "created": time.time()}
         tdir = self._tenant_dir_for_writing(tenant.name)
         with self._locked(tdir):
             pointer = tdir / "adapters" / f"{name}.json"
@@ -238,7 +238,9 @@ class AdapterStore:
             write_atomic(pointer, json.dumps(meta, sort_keys=True).encode())
             if old is not None and old.version != version:
                 _touch(old.path)  # retired now: the grace period starts
-        stored = self._read_pointer(tenant.name, pointer, name)
+        stored = StoredAdapter(tenant=tenant.name, name=name, version=version, path=target, digest=adapter.digest,
+                               rank=adapter.rank, target_modules=tuple(meta["target_modules"]), bytes=len(weights),
+                               created=meta["created"])
         log.info("adapter uploaded: tenant=%s name=%s version=%s digest=%s rank=%d bytes=%d",
                  tenant.name, name, version, adapter.digest, adapter.rank, len(weights))
         return stored
@@ -264,12 +266,12 @@ class AdapterStore:
     # helpers ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _count_error(tenant: "Tenant") -> AdapterStoreError:
+    def _count_error(tenant: Tenant) -> AdapterStoreError:
         return AdapterStoreError(f"tenant {tenant.name!r} already has {tenant.max_adapters} adapter(s), its "
                                  f"max_adapters quota: delete one, or upload under an existing name to replace it")
 
     @staticmethod
-    def _checked_files(name: str, config_text, weights, tenant: "Tenant", hf_config,
+    def _checked_files(name: str, config_text, weights, tenant: Tenant, hf_config,
                        max_lora_rank: int) -> tuple[bytes, bytes]:
         """Cheap checks before anything is parsed: types, sizes, quotas, the safetensors header."""
         if not isinstance(config_text, str):

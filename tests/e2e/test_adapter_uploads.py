@@ -24,7 +24,8 @@ from safetensors.torch import load, save
 from tritonclient.utils import InferenceServerException
 from tritonserver_fixture import demo_server, make_triton_server_fixture, seed_demo_adapters
 
-from loraplex.clients.adapters import adapter_request, main as adapters_main, read_adapter_folder, upload_adapter
+from loraplex.clients.adapters import adapter_request, read_adapter_folder, upload_adapter
+from loraplex.clients.adapters import main as adapters_main
 from loraplex.clients.generate import stream_generate
 from loraplex.tenancy import AUTH_ERROR, key_digest
 from loraplex.tritonserver import TritonServerError
@@ -120,7 +121,7 @@ def test_upload_list_info_delete_with_the_cli(triton_server, folders, capsys):
     url = ["--url", triton_server.grpc_url, "--api-key", KEYS["acme"]]
     assert adapters_main([*url, "upload", str(folders["acme-support"]), "--name", "support"]) == 0
     uploaded = json.loads(capsys.readouterr().out)
-    config, weights = read_adapter_folder(folders["acme-support"])
+    _, weights = read_adapter_folder(folders["acme-support"])
     assert (uploaded["name"], uploaded["rank"], uploaded["target_modules"]) == ("support", 8, ["q_proj", "v_proj"])
     assert uploaded["bytes"] == len(weights) and len(uploaded["digest"]) == 64 and uploaded["created"].endswith("Z")
     assert adapters_main([*url, "list"]) == 0
@@ -200,7 +201,7 @@ def test_a_spoofed_tenant_header_beside_a_valid_key_is_ignored(triton_server):
 def _lying_header(data: bytes) -> bytes:
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
-    first = sorted(k for k in header if k != "__metadata__")[0]
+    first = min(k for k in header if k != "__metadata__")
     header[first]["shape"] = [header[first]["shape"][0], 10**9]
     raw = json.dumps(header).encode()
     return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
@@ -214,7 +215,7 @@ def _pickle(data: bytes) -> bytes:
 
 def _wrong_shapes(data: bytes) -> bytes:
     tensors = load(data)
-    name = sorted(k for k in tensors if "lora_A" in k)[0]
+    name = min(k for k in tensors if "lora_A" in k)
     tensors[name] = torch.zeros(tensors[name].shape[0], 96)
     return save(tensors)
 

@@ -23,9 +23,18 @@ from loraplex.processes import STUB_COMM, shm_region
 BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
 
 
+def _serves(model: str, pid: int) -> bool:
+    """Whether the Python-backend stub ``pid`` runs ``model`` (its argv[1] is the model's model.py)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return len(argv) > 1 and f"/{model}/".encode() in argv[1]
+
+
 def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_path, demo):
     with launcher_under_load(tmp_path, demo["model"], n=4) as (launcher, server, streams):
-        stub = next(p.pid for p in descendants(server.pid) if p.comm == STUB_COMM)
+        stub = next(p.pid for p in descendants(server.pid) if p.comm == STUB_COMM and _serves("lora_llm", p.pid))
         region = shm_region(stub)
         os.kill(stub, signal.SIGKILL)
         wait_ended(streams, timeout=30)  # without the launcher's restart they would hang until the server exits

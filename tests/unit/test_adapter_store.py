@@ -172,7 +172,7 @@ def _pickle_bytes(files) -> bytes:
 def _lying_header(data: bytes, **entry_changes) -> bytes:
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
-    first = sorted(k for k in header if k != "__metadata__")[0]
+    first = min(k for k in header if k != "__metadata__")
     header[first].update(entry_changes)
     raw = json.dumps(header).encode()
     return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
