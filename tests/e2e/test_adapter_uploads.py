@@ -13,12 +13,13 @@ import io
 import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import token_ids_of
+from helpers import token_ids_of, wait_for_metric
 from peft_reference import greedy_tokens
 from safetensors.torch import load, save
 from tritonclient.utils import InferenceServerException
@@ -320,3 +321,39 @@ def test_an_upload_through_one_replica_is_served_by_the_other_at_once(triton_ser
         assert token_ids_of(result) == greedy_tokens(str(demo["model"]), str(folder), ids, GREEDY["max_tokens"])
     call(replica_b, "delete", "roaming", headers=key("acme"))
     assert _generate(triton_server, "acme", prompt, "roaming").error is not None
+
+
+# ---- request quotas (tenants `metered` and `queued` of the tenants file) ------------------------
+def test_tokens_per_minute_refuses_with_unavailable_once_the_minute_is_spent(triton_server):
+    headers = {"x-api-key": KEYS["metered"]}
+    first = stream_generate(triton_server.grpc_url, "spend", {"max_tokens": 40, "ignore_eos": True,
+                                                             "temperature": 0}, headers=headers)
+    assert first.error is None and first.final_count == 1
+    refused = stream_generate(triton_server.grpc_url, "more", {"max_tokens": 2}, headers=headers)
+    assert refused.error is not None and "tokens_per_minute=40" in str(refused.error)
+    assert "retry later" in str(refused.error)
+    other = stream_generate(triton_server.grpc_url, "others are served", {"max_tokens": 2},
+                            headers={"x-api-key": KEYS["acme"]})
+    assert other.error is None
+
+
+def test_max_queued_requests_refuses_and_max_concurrent_requests_queues(triton_server):
+    headers = {"x-api-key": KEYS["queued"]}
+    results = {}
+
+    def run(name, max_tokens):
+        results[name] = stream_generate(triton_server.grpc_url, name, {"max_tokens": max_tokens,
+                                                                        "ignore_eos": True}, headers=headers)
+
+    running = threading.Thread(target=run, args=("running", 400))
+    running.start()
+    assert wait_for_metric(triton_server, "loraplex_num_sequences", 1.0, state="running") == 1.0
+    waiting = threading.Thread(target=run, args=("waiting", 4))
+    waiting.start()  # over max_concurrent_requests=1: it queues
+    assert wait_for_metric(triton_server, "loraplex_num_sequences", 1.0, state="waiting") == 1.0
+    refused = stream_generate(triton_server.grpc_url, "refused", {"max_tokens": 2}, headers=headers)
+    assert refused.error is not None and "max_queued_requests=1" in str(refused.error)
+    running.join(120)
+    waiting.join(120)
+    assert results["running"].error is None and results["waiting"].error is None
+    assert results["waiting"].final_count == 1
