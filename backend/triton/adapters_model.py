@@ -159,9 +159,6 @@ class TritonPythonModel:
             return codes.UNSUPPORTED
         if isinstance(exc, InvalidRequest):  # a bad or missing API key included
             return codes.INVALID_ARG
-        from ..lora.store import AdapterStoreError
         from .errors import error_code
 
-        if isinstance(exc, AdapterStoreError):
-            return codes.INVALID_ARG
         return error_code(pb_utils, exc)

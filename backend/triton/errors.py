@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..lora.adapter import AdapterError
 from ..lora.manager import AdapterNotFound
+from ..lora.store import AdapterStoreError
 from ..request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
 
 MAX_MESSAGE_CHARS = 2000
@@ -15,6 +16,7 @@ def error_code(pb_utils, exc: Exception):
     for kind, code in (
         (InvalidRequest, codes.INVALID_ARG),
         (AdapterError, codes.INVALID_ARG),
+        (AdapterStoreError, codes.INVALID_ARG),
         (AdapterNotFound, codes.NOT_FOUND),
         (EngineOverloaded, codes.UNAVAILABLE),
         (EngineShuttingDown, codes.UNAVAILABLE),
