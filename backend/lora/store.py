@@ -160,7 +160,11 @@ class AdapterStore:
 
     def list(self, tenant: str) -> list[StoredAdapter]:
         """The tenant's adapters, sorted by name."""
-        folder = self._tenant_dir(tenant) / "adapters"
+        return self._pointers(self._tenant_dir(tenant), tenant)
+
+    def _pointers(self, tdir: Path, tenant: str) -> list[StoredAdapter]:
+        """The current adapters of a tenant folder, sorted by name (unreadable pointers skipped)."""
+        folder = tdir / "adapters"
         try:
             entries = sorted(os.listdir(folder))
         except FileNotFoundError:
@@ -345,7 +349,7 @@ class AdapterStore:
     def _gc(self, tdir: Path, keep: set[tuple[str, str]] = frozenset()) -> None:
         """Remove version folders no pointer names and stale ``.tmp-*`` leftovers, once past the grace period."""
         cutoff = time.time() - RETIRED_VERSION_GRACE_SECONDS
-        current = {(a.name, a.version) for a in self._current(tdir)} | set(keep)
+        current = {(a.name, a.version) for a in self._pointers(tdir, "")} | set(keep)
         for folder in (tdir / "adapters", tdir):
             _remove_stale_tmp(folder, cutoff)
         versions = tdir / "versions"
@@ -364,14 +368,6 @@ class AdapterStore:
                     shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 name_dir.rmdir()  # only when empty
-
-    def _current(self, tdir: Path) -> list[StoredAdapter]:
-        """Current adapters of a tenant folder (tenant name left empty: for garbage collection)."""
-        folder = tdir / "adapters"
-        if not folder.is_dir():
-            return []
-        return [a for e in sorted(os.listdir(folder)) if e.endswith(".json") and not e.startswith(".")
-                for a in [self._read_pointer("", folder / e, e.removesuffix(".json"))] if a is not None]
 
 
 def _touch(path: Path) -> None:
