@@ -6,6 +6,13 @@ victim when a block cannot be had; then, unless that step preempted, swap sequen
 in and admit waiting ones (policy order, KV watermark, adapter slots, admission cap).
 ``update`` applies the runner's tokens, forks n > 1 samples after their prefill, and
 frees finished sequences' blocks before the next step admits. No tensors here.
+
+Tenants (backend/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
+backlogged tenant with the least virtual token counter; a tenant is charged its prompt at
+a request's first admission (never again when a preempted sequence resumes) and each
+generated token in ``update``. ``max_concurrent_requests`` counts a request from its first
+admission until its last sample ends (``_finish``, the one place sequences end); a tenant
+at its limit is blocked in the waiting queue.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .fair_share import ActiveRequests, VirtualTokenCounter
 from .kv_cache.manager import KVCacheManager
 from .kv_cache.swap_space import SwapSpace
 from .policies import VICTIM_POLICIES, admission_key
@@ -58,7 +66,10 @@ class Scheduler:
         self.config, self.kv, self.adapters = config, kv, adapters
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.clock = clock
-        self.waiting = WaitingQueue(admission_key(config.admission_policy, config.sjf_aging_rate))
+        self.vtc = VirtualTokenCounter() if config.fair_share == "vtc" else None
+        self.active = ActiveRequests()  # started requests per tenant (max_concurrent_requests)
+        self.limits: dict[str, int] = {}  # tenant with work -> max_concurrent_requests its latest request carried
+        self.waiting = WaitingQueue(admission_key(config.admission_policy, config.sjf_aging_rate), self.vtc)
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.swap_space = SwapSpace(num_host_blocks if config.preemption_mode == "swap" else 0)
@@ -66,7 +77,7 @@ class Scheduler:
         self.cap = AdmissionCap(config.max_num_seqs, config.preemption_window_steps, config.preemption_threshold)
         self.watermark_blocks = max(1, int(kv.num_blocks * config.kv_watermark))
         self.static = config.batching == "static"
-        self.prefix_query_tokens: dict[str, int] = {}  # per tenant
+        self.prefix_query_tokens: dict[str, int] = {}  # per tenant metric label
         self.prefix_hit_tokens: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_swapped_out = 0
@@ -89,6 +100,12 @@ class Scheduler:
             child.status, child.fork_parent = SeqStatus.FORK_PENDING, seq
         self.waiting.push(seq)
         self.num_new_waiting += 1
+        limits, tenant = seq.request.limits, seq.request.tenant
+        if limits is not None and limits.max_concurrent_requests:  # the latest request's limit applies
+            self.limits[tenant] = limits.max_concurrent_requests
+        else:
+            self.limits.pop(tenant, None)
+        self._apply_limit(tenant, self.active.counts.get(tenant, 0))
         timeout = seq.request.params.timeout or self.config.default_timeout
         if timeout:
             group = [seq, *seq.forks]
@@ -118,10 +135,53 @@ class Scheduler:
             seq.fork_parent.forks.remove(seq)
         ended = [seq, *seq.forks]
         self._release_adapter(seq)  # its own pin and those of unforked samples
-        for s in ended:
-            s.status, s.finish_reason = SeqStatus.FINISHED, reason
+        self._finish(ended, reason)
         seq.forks = []
+        if status is SeqStatus.WAITING:
+            self._retire(seq.request.tenant)
         return ended
+
+    def _finish(self, seqs: list[Sequence], reason: FinishReason) -> None:
+        """Mark samples of one request FINISHED; when its last one ends, its tenant's count drops."""
+        for s in seqs:
+            s.status, s.finish_reason = SeqStatus.FINISHED, reason
+        request = seqs[0].request
+        left = self.active.finish(request, len(seqs))
+        if left is not None:
+            self._apply_limit(request.tenant, left)
+            if not left:
+                self._retire(request.tenant)
+
+    def _apply_limit(self, tenant: str, count: int) -> None:
+        """Block the tenant in the waiting queue while `count` is at its max_concurrent_requests."""
+        limit = self.limits.get(tenant, 0)
+        if limit and count >= limit:
+            self.waiting.block(tenant)
+        else:
+            self.waiting.unblock(tenant)
+
+    def _retire(self, tenant: str) -> None:
+        """A tenant with nothing waiting and nothing started is idle: forget its limit; fair share may drop its counter."""
+        if tenant not in self.active.counts and not self.waiting.has_tenant(tenant):
+            self.limits.pop(tenant, None)
+            if self.vtc is not None:
+                self.vtc.retire(tenant, self.waiting.level())
+
+    def check_tenants(self) -> None:
+        """Raise unless per-tenant state equals what the sequences held imply, recomputed from scratch (tests)."""
+        samples: dict[int, list] = {}
+        for seq in [*self.running, *self.swapped, *(s for s in self.waiting if s.num_preemptions)]:
+            record = samples.setdefault(id(seq.request), [seq.request, 0])
+            record[1] += 1 + len(seq.forks)
+        self.active.check(samples)
+        self.waiting.check()
+        if self.vtc is not None:
+            waiting = {s.request.tenant for s in self.waiting}
+            for tenant in self.vtc.counters:
+                busy = tenant in self.active.counts or tenant in waiting
+                assert busy != self.vtc.is_idle(tenant), (tenant, busy)
+            assert waiting <= set(self.vtc.counters) and set(self.active.counts) <= set(self.vtc.counters)
+        assert set(self.limits) <= set(self.active.counts) | {s.request.tenant for s in self.waiting}
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -207,8 +267,10 @@ class Scheduler:
         kv = self.kv
         popped: list[Sequence] = []  # taken from the queue and not admitted: put back, whatever happens
         try:
-            while self.waiting and budget > 0:
-                seq = self.waiting.pop()
+            while budget > 0:
+                seq = self.waiting.take()
+                if seq is None:
+                    break
                 popped.append(seq)
                 if not self._fits_cap(seq) or (seq.suspect and out.admitted):
                     break  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
@@ -236,6 +298,10 @@ class Scheduler:
                     seq.first_scheduled_time = self.clock()
                     self.num_new_waiting -= 1
                     self._count_prefix(seq, num_cached)
+                    if self.vtc is not None:  # the prompt is charged once: a resumed or retried one is not
+                        self.vtc.admit(seq.request.tenant, len(seq.token_ids), _weight(seq.request))
+                if not seq.num_preemptions:  # from the new-sequence heaps: a request starts counting
+                    self._apply_limit(seq.request.tenant, self.active.start(seq.request, 1 + len(seq.forks)))
                 seq.num_computed_tokens = num_cached
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
@@ -274,6 +340,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             seq.suspect = True
+            if not seq.num_preemptions:  # back among new sequences: it counts again when admitted again
+                self._apply_limit(seq.request.tenant, self.active.cancel(seq.request))
         self.waiting.unpop(seqs)
         index = {s.seq_id: i for i, s in enumerate(out.seqs)}
         out.forks = [(index[p.seq_id], child) for p, child in parents if p.seq_id not in gone]
@@ -303,9 +371,9 @@ class Scheduler:
         return 0
 
     def _count_prefix(self, seq: Sequence, num_cached: int) -> None:
-        tenant = seq.request.tenant
-        self.prefix_query_tokens[tenant] = self.prefix_query_tokens.get(tenant, 0) + len(seq.token_ids)
-        self.prefix_hit_tokens[tenant] = self.prefix_hit_tokens.get(tenant, 0) + num_cached
+        label = seq.request.metric_label  # bounded: not one key per tenant name a client invents
+        self.prefix_query_tokens[label] = self.prefix_query_tokens.get(label, 0) + len(seq.token_ids)
+        self.prefix_hit_tokens[label] = self.prefix_hit_tokens.get(label, 0) + num_cached
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Pin the adapter once for the seq and once for each unforked sample; all or nothing.
@@ -406,6 +474,8 @@ class Scheduler:
     def _append(self, seq: Sequence, row: int, result, changed: list[Sequence]) -> None:
         token = result.token_ids[row]
         seq.token_ids.append(token)
+        if self.vtc is not None:
+            self.vtc.charge(seq.request.tenant, 1, _weight(seq.request))
         seq.cumulative_logprob += result.logprobs[row]
         if result.top_logprobs[row] is not None:
             seq.pending_logprobs.append(result.top_logprobs[row])
@@ -413,7 +483,7 @@ class Scheduler:
         if reason is not None:
             self.kv.free(seq.seq_id)
             self._release_adapter_of(seq)
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            self._finish([seq], reason)
         changed.append(seq)
 
     def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -427,3 +497,9 @@ class Scheduler:
         if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _weight(request) -> float:
+    """The tenant's fair-share weight (1 without limits)."""
+    limits = request.limits
+    return limits.weight if limits is not None else 1.0

@@ -8,6 +8,10 @@ scheduled sequence attends to holds that sequence's own history, and samples a t
 deterministic function of the sequence's tokens and sample index. So a wrong prefix hit,
 a missed or misordered copy, or a lost swap fails the step, and every sequence's output
 must equal ``reference_tokens``.
+
+Per tenant it records the served tokens (``served``: a request's prompt when it is first
+admitted, each generated token as it is reported: what fair share charges before weights)
+and checks the scheduler's per-tenant counts against a recount after every step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from loraplex.kv_cache import KVCacheManager, namespace_key
 from loraplex.model_runner import RunnerOutput
 from loraplex.request import Request, SamplingParams, Sequence, SeqStatus
 from loraplex.scheduler import Scheduler
+from loraplex.tenancy import Tenant
 
 EOS = 2
 
@@ -148,16 +153,30 @@ class Harness:
         self.finals: dict[tuple[str, int], int] = {}
         self.reasons: dict[tuple[str, int], str] = {}
         self.batches = []
+        self.tenants: dict[str, Tenant] = {}  # limits given with add(weight=..., max_concurrent=...)
+        self.served: dict[str, int] = {}  # tenant -> prompt tokens at first admission + generated tokens
+        self.started: list[str] = []  # request ids in the order they were first admitted
+        self._started: set[str] = set()
 
     def add(self, rid: str, prompt: int | list[int] = 6, max_tokens: int = 4, n: int = 1, priority: int = 0,
             lora: str | None = None, tenant: str = "t", arrival: float | None = None, timeout: float | None = None,
-            ) -> list[Sequence]:
-        """Queue a request; an int prompt becomes that many fresh tokens (no accidental prefix hits)."""
+            weight: float | None = None, max_concurrent: int | None = None) -> list[Sequence]:
+        """Queue a request; an int prompt becomes that many fresh tokens (no accidental prefix hits).
+
+        ``weight`` / ``max_concurrent`` give the tenant limits (kept for its later requests);
+        a tenant never given any has none (``Request.limits`` None: weight 1, no quotas).
+        """
+        if weight is not None or max_concurrent is not None:
+            old = self.tenants.get(tenant)
+            self.tenants[tenant] = Tenant(
+                tenant, b"", weight=weight if weight is not None else (old.weight if old else 1),
+                max_concurrent_requests=max_concurrent if max_concurrent is not None else
+                (old.max_concurrent_requests if old else 0))
         tokens = [next(self._tokens) for _ in range(prompt)] if isinstance(prompt, int) else list(prompt)
         params = SamplingParams(max_tokens=max_tokens, n=n, priority=priority, lora_name=lora, timeout=timeout,
                                 ignore_eos=True)
         req = Request(rid, "", tokens, params, tenant, arrival_time=self.now if arrival is None else arrival,
-                      adapter_key=lora)
+                      adapter_key=lora, limits=self.tenants.get(tenant), metric_label=tenant)
         seqs = []
         for index in range(n):
             seq = Sequence(next(self._ids), req, index, list(tokens), len(tokens))
@@ -173,6 +192,13 @@ class Harness:
         """One engine step; records what would be streamed; returns the SchedulerOutput."""
         batch = self.sched.schedule()
         self.batches.append(batch)
+        for seq in batch.admitted:
+            rid = seq.request.request_id
+            if seq.index == 0 and rid not in self._started:
+                self._started.add(rid)
+                self.started.append(rid)
+                tenant = seq.request.tenant
+                self.served[tenant] = self.served.get(tenant, 0) + seq.num_prompt_tokens
         for seq in batch.finished:
             self._report(seq)
         if not batch.empty:
@@ -181,6 +207,7 @@ class Harness:
                 self._report(seq)
         self.kv.check_invariants()
         self.sched.swap_space.check()
+        self.sched.check_tenants()
         return batch
 
     def run(self, max_steps: int = 10_000) -> int:
@@ -194,6 +221,8 @@ class Harness:
     def _report(self, seq: Sequence) -> None:
         key = (seq.request.request_id, seq.index)
         new = seq.output_token_ids[seq.num_sent_tokens:]
+        tenant = seq.request.tenant
+        self.served[tenant] = self.served.get(tenant, 0) + len(new)
         seq.num_sent_tokens = seq.num_output_tokens
         self.streamed.setdefault(key, []).extend(new)
         if seq.status is SeqStatus.FINISHED:
@@ -213,6 +242,7 @@ class Harness:
         assert self.sched.swap_space.num_free == self.sched.swap_space.num_blocks
         assert self.adapters.total_pins() == 0
         assert self.sched.num_new_waiting == 0
+        assert not self.sched.active.counts
         for rid, seqs in self.requests.items():
             for seq in seqs:
                 assert seq.status is SeqStatus.FINISHED, (rid, seq.index, seq.status)

@@ -2,9 +2,10 @@
 
 Tiny KV pools force preemption (both modes, every victim policy), alongside chunked
 prefill, prefix hits across tenants and adapters, n > 1 forks, adapter-slot contention,
-timeouts and aborts. After every step the harness checks the KV manager's invariants,
-the swap space, and that every KV slot each scheduled sequence reads holds its own
-history. At the end: every sample ended exactly once, every stream equals its reference
+timeouts and aborts, with fair share on or off and tenants with weights and concurrency
+limits. After every step the harness checks the KV manager's invariants, the swap space,
+that every KV slot each scheduled sequence reads holds its own history, and the per-tenant
+counts and queue structure against a recount. At the end: every sample ended exactly once, every stream equals its reference
 (a prefix of it for timeouts and aborts: nothing lost, nothing repeated), and every
 block, host block and adapter pin is free again.
 """
@@ -36,7 +37,10 @@ def workloads(draw):
         max_adapter_wait_steps=draw(st.integers(0, 4)),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
         enable_prefix_caching=draw(st.booleans()),
+        fair_share=draw(st.sampled_from(["vtc", "off"])),
     )
+    limits = {t: dict(weight=draw(st.sampled_from([None, 1, 2, 0.5])),
+                      max_concurrent=draw(st.sampled_from([None, 0, 1, 2]))) for t in ("t", "u", "v")}
     usable = num_blocks - 1  # the watermark is 1 block for pools this small
     shared = draw(st.lists(st.integers(3, 6), min_size=12, max_size=12))
     requests = []
@@ -52,17 +56,17 @@ def workloads(draw):
             at=draw(st.integers(0, 6)), rid=f"r{i}", prompt=prompt, max_tokens=max_tokens,
             n=draw(st.sampled_from([1, 1, 2, 3])) if config["max_num_seqs"] >= 3 else 1,
             priority=draw(st.integers(0, 2)), lora=draw(st.sampled_from([None, "A", "B", "C"])),
-            tenant=draw(st.sampled_from(["t", "u"])),
+            tenant=draw(st.sampled_from(["t", "u", "v"])),
             timeout=draw(st.sampled_from([None, None, None, 3.0, 12.0])),
             abort_at=draw(st.sampled_from([None, None, None, None, 2, 9])),
         ))
-    return config, requests
+    return config, limits, requests
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload):
-    config, requests = workload
+    config, limits, requests = workload
     h = Harness(**config)
     pending = sorted(requests, key=lambda r: r["at"])
     aborted = set()
@@ -72,7 +76,7 @@ def test_random_workloads_keep_every_invariant(workload):
         while pending and pending[0]["at"] <= step:
             r = pending.pop(0)
             h.add(r["rid"], r["prompt"], max_tokens=r["max_tokens"], n=r["n"], priority=r["priority"],
-                  lora=r["lora"], tenant=r["tenant"], timeout=r["timeout"])
+                  lora=r["lora"], tenant=r["tenant"], timeout=r["timeout"], **limits[r["tenant"]])
         for r in requests:
             if r["abort_at"] is not None and r["at"] + r["abort_at"] == step and r["rid"] in h.requests:
                 for seq in h.requests[r["rid"]]:
@@ -85,6 +89,7 @@ def test_random_workloads_keep_every_invariant(workload):
     h.assert_idle_and_clean()
     event(f"preempted: {bool(h.sched.num_preemptions)}, swapped: {bool(h.sched.num_swapped_out)}")
     event(f"forked: {any(len(seqs) > 1 for seqs in h.requests.values())}, cap lowered: {bool(h.sched.cap.num_lowered)}")
+    event(f"fair share: {config['fair_share']}, limited: {any(v['max_concurrent'] for v in limits.values())}")
     for rid, seqs in h.requests.items():
         for seq in seqs:
             got, expected = h.streamed.get((rid, seq.index), []), h.expected(rid, seq.index)
