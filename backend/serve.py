@@ -116,6 +116,8 @@ class _StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.signum is not None:
+            return  # stopping: a late repeat (make's forwarded SIGTERM) must not kill the exiting launcher
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
