@@ -53,6 +53,12 @@ DEMO_ADAPTERS: dict[str, dict[str, Any]] = {
     "demo-a": dict(r=8, alpha=16, target_modules=("q_proj", "v_proj"), seed=1),
     "demo-b": dict(r=16, alpha=16, target_modules=ALL_PROJECTIONS, seed=2, use_rslora=True),
 }
+# A Zephyr-style chat template, so /v1/chat/completions works on the demo model. It writes BOS as
+# text, as LLaMA-2's does, which the OpenAI gateway must not let become a second BOS token.
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 CHECK_PROMPTS = (
     "Hello",
     "The quick brown fox",
@@ -117,8 +123,24 @@ def build_byte_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 102
     cfg["add_bos_token"] = True
     cfg["add_eos_token"] = False
     cfg["clean_up_tokenization_spaces"] = False
+    cfg["chat_template"] = DEMO_CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return fast
+
+
+def ensure_chat_template(model_dir: str | os.PathLike) -> bool:
+    """Give a demo tokenizer built before it had one the chat template (atomic rewrite); True if it changed."""
+    cfg_path = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("chat_template") == DEMO_CHAT_TEMPLATE:
+        return False
+    cfg["chat_template"] = DEMO_CHAT_TEMPLATE
+    fd, tmp = tempfile.mkstemp(dir=cfg_path.parent, prefix=".tokenizer_config.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(cfg, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, cfg_path)
+    return True
 
 
 def build_tiny_llama(out_dir: str | os.PathLike, *, seed: int = 0, lm_head_scale: float = DEMO_LM_HEAD_SCALE,
@@ -267,6 +289,8 @@ def build_demo(out_dir: str | os.PathLike | None = None, force: bool = False) ->
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out = out.resolve()
     if not force and _is_complete(out):
+        if ensure_chat_template(out / "model"):  # the weights are unchanged: no rebuild needed
+            log(f"added the chat template to the demo tokenizer at {out / 'model'}")
         log(f"demo already built at {out}")
         return demo_paths(out)
     t0 = time.monotonic()

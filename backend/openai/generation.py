@@ -1,0 +1,76 @@
+"""Several lora_llm streams (one per prompt of a request) read as one, in arrival order.
+
+``start()`` waits until every stream has answered once, so an error Triton sends at once (bad
+key, unknown adapter, over quota) becomes the HTTP status of the reply instead of an event
+inside a 200 stream. ``cancel()`` ends every stream still open (their gRPC calls are cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from .errors import OpenAIError
+from .triton_stream import Delta
+
+END = None  # a stream's last item
+
+
+class Generation:
+    """The merged deltas of one request's streams: ``(prompt index, Delta)``."""
+
+    def __init__(self, streams: list[AsyncIterator[Delta]]):
+        self.streams = streams
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.buffer: list[tuple[int, Delta | None]] = []
+
+    async def _pump(self, index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                self.queue.put_nowait((index, delta))
+            self.queue.put_nowait((index, END))
+        except OpenAIError as exc:
+            self.queue.put_nowait((index, exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500, never lost
+            self.queue.put_nowait((index, OpenAIError(500, f"gateway error: {exc!r}", "server_error", None,
+                                                      "internal_error")))
+
+    async def _next(self) -> tuple[int, Delta | None]:
+        index, item = await self.queue.get()
+        if isinstance(item, OpenAIError):
+            self.cancel()
+            raise item
+        return index, item
+
+    async def start(self) -> None:
+        """Open every stream and wait for each one's first answer; raises the first error."""
+        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)]
+        answered: set[int] = set()
+        try:
+            while len(answered) < len(self.streams):
+                item = await self._next()
+                self.buffer.append(item)
+                answered.add(item[0])
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Every delta after ``start()``, until all streams ended; raises a stream's error."""
+        open_streams = len(self.streams)
+        try:
+            while open_streams:
+                index, delta = self.buffer.pop(0) if self.buffer else await self._next()
+                if delta is END:
+                    open_streams -= 1
+                else:
+                    yield index, delta
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """End every stream still running (does not wait)."""
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()

@@ -1,0 +1,213 @@
+"""OpenAI request bodies (pydantic) and their translation to lora_llm's ``sampling_parameters``.
+
+Fields the engine cannot honour are refused with a 400 naming them rather than ignored;
+fields no one can act on here (``user``, ``store``, ``metadata``, ...) are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import bad_request
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (and vLLM's)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether the last chunk carries ``usage``."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share, OpenAI's and vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    ignore_eos: bool | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    repetition_penalty: float | None = None
+
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """400 for a field set to something the engine cannot do."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported by this server (only 0)", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise bad_request("repetition_penalty is not supported by this server (only 1)", "repetition_penalty")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def common_params(self, max_tokens: int | None) -> dict[str, Any]:
+        """The lora_llm sampling keys these fields set (absent ones are left to the engine's defaults)."""
+        params: dict[str, Any] = {}
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        for name in ("temperature", "top_p", "seed", "ignore_eos", "top_k", "min_tokens", "stop_token_ids",
+                     "skip_special_tokens", "priority"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if self.n != 1:
+            params["n"] = self.n
+        if self.stop:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return params
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str]:
+        """The text prompts (a batch is a list of strings); token-id prompts are refused."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(p, str) for p in self.prompt):
+            return list(self.prompt)
+        if not self.prompt:
+            raise bad_request("prompt is empty", "prompt")
+        raise bad_request("token-id prompts are not supported: lora_llm takes text; send the prompt as a string",
+                          "prompt")
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        """lora_llm's sampling_parameters for each prompt of this request."""
+        self.check_supported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of not in (None, self.n):
+            raise bad_request("best_of is not supported by this server (only best_of = n)", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        params = self.common_params(max_tokens)
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
+        return params
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"only text content parts are supported, got type {part.get('type')!r}",
+                                      "messages")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras for the template
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_parameters(self, default_max_tokens: int | None) -> dict[str, Any]:
+        """lora_llm's sampling_parameters; ``default_max_tokens`` applies when neither max field is given."""
+        self.check_supported()
+        if self.tools or self.functions:
+            raise bad_request("tools and functions are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("only response_format type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        given = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        params = self.common_params(default_max_tokens if given is None else given)
+        if self.logprobs:
+            params["logprobs"] = self.top_logprobs or 0
+        return params
+
+
+# ---- lora_llm's logprobs (per token: {token_id: {logprob, rank, decoded_token}}, chosen first) -------------
+
+def _ranked(entry: dict, top: int) -> tuple[dict, list[dict]]:
+    """(the chosen token's record, the top ``top`` candidates by rank)."""
+    records = list(entry.values())
+    candidates = sorted((r for r in records if r["rank"] <= top), key=lambda r: r["rank"])
+    return records[0], candidates[:top]
+
+
+def completion_logprobs(entries: list[dict], top: int, offset: int = 0) -> dict[str, list]:
+    """OpenAI's completions ``logprobs`` object for these tokens; ``offset`` is where their text starts."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        chosen, candidates = _ranked(entry, top)
+        out["tokens"].append(chosen["decoded_token"])
+        out["token_logprobs"].append(chosen["logprob"])
+        out["top_logprobs"].append({c["decoded_token"]: c["logprob"] for c in candidates} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(chosen["decoded_token"])
+    return out
+
+
+def chat_logprobs(entries: list[dict], top: int) -> list[dict]:
+    """OpenAI's chat ``logprobs.content`` list for these tokens."""
+    def item(record: dict) -> dict:
+        token = record["decoded_token"]
+        return {"token": token, "logprob": record["logprob"], "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for entry in entries:
+        chosen, candidates = _ranked(entry, top)
+        content.append({**item(chosen), "top_logprobs": [item(c) for c in candidates]})
+    return content
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+

@@ -1,0 +1,171 @@
+"""lora_llm over gRPC streaming with ``grpc.aio``: one bidirectional stream per request, one channel per process.
+
+The request is built from tritonclient's protobuf messages (``service_pb2``) rather than its
+``aio`` client, because that client cannot ask for Triton's empty final response
+(``triton_enable_empty_final_response``), which is how a stream tells that its request is done.
+Leaving the stream before the final response (a client that went away) cancels the gRPC call,
+and Triton cancels the request: the engine frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ast
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import grpc
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+
+from loraplex.clients.generate import decode_response
+
+from .errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton
+
+MODEL = "lora_llm"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+PROBE_ADAPTER = "loraplex-openai/probe"  # no adapter can have this name: a store folder cannot hold '/'
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed lora_llm response: per-sample text, token counts, finish reasons, logprobs."""
+
+    texts: list[str]
+    num_output_tokens: list[int]
+    finish_reasons: list[str | None]
+    num_input_tokens: int = 0
+    logprobs: list[list[dict]] = field(default_factory=list)
+
+    @classmethod
+    def from_outputs(cls, out: dict[str, Any]) -> "Delta":
+        """From ``decode_response``'s dict of output tensors."""
+        texts = out.get("text_output", [])
+        n = len(texts)
+        reasons = [None if r == "None" else r for r in out.get("finish_reason", ["None"] * n)]
+        logprobs = [json.loads(blob) or [] for blob in out.get("logprobs", [])] or [[] for _ in range(n)]
+        return cls(texts, list(out.get("num_output_tokens", [0] * n)), reasons,
+                   int((out.get("num_input_tokens") or [0])[0]), logprobs)
+
+
+def _tensor(name: str, value) -> service_pb2.ModelInferRequest.InferInputTensor:
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, shape=[1])
+    if isinstance(value, bool):
+        tensor.datatype = "BOOL"
+        tensor.contents.bool_contents.append(value)
+    else:
+        tensor.datatype = "BYTES"
+        tensor.contents.bytes_contents.append(value.encode("utf-8"))
+    return tensor
+
+
+def build_request(prompt: str, params: dict, logprobs: bool, model: str = MODEL) -> service_pb2.ModelInferRequest:
+    """A streaming vllm_backend-style request: deltas, no echo, finish reasons and token counts."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
+    request.inputs.extend([
+        _tensor("text_input", prompt), _tensor("stream", True), _tensor("exclude_input_in_output", True),
+        _tensor("sampling_parameters", json.dumps(params)), _tensor("return_finish_reason", True),
+        _tensor("return_num_input_tokens", True), _tensor("return_num_output_tokens", True),
+        _tensor("return_logprobs", logprobs),
+    ])
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+def parse_adapter_list(message: str) -> list[str]:
+    """The names in ``... we currently support ['a', 'b']`` (a list cut at the message limit keeps its whole names)."""
+    text = message.split(NOT_FOUND_TEXT, 1)[1].strip()
+    try:
+        return list(ast.literal_eval(text))
+    except (ValueError, SyntaxError):  # truncated by the server (" ..."): keep the names that are complete
+        names = []
+        for part in text.lstrip("[").split(", "):
+            try:
+                value = ast.literal_eval(part)
+            except (ValueError, SyntaxError):
+                break
+            names.append(value)
+        return names
+
+
+class TritonClient:
+    """Talks to one Triton server's lora_llm; safe for any number of concurrent requests."""
+
+    def __init__(self, url: str, model: str = MODEL):
+        self.url, self.model = url, model
+        self._channel: grpc.aio.Channel | None = None
+        self._stub = None
+
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        """The stub on this process's channel (created in the running event loop on first use)."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.url, options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        """Close the channel (in-flight calls are cancelled)."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub = None, None
+
+    async def ready(self) -> bool:
+        """Whether Triton answers and lora_llm is ready."""
+        try:
+            reply = await self.stub().ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=5)
+            return reply.ready
+        except grpc.RpcError:
+            return False
+
+    async def generate(self, prompt: str, params: dict, headers: dict[str, str],
+                       logprobs: bool = False) -> AsyncIterator[Delta]:
+        """The deltas of one request until its final response; raises OpenAIError on any error.
+
+        Leaving early (the consumer closes or is cancelled) cancels the gRPC call, so Triton
+        cancels the request.
+        """
+        request = build_request(prompt, params, logprobs, self.model)
+        sent = asyncio.Event()
+
+        async def requests():
+            yield request
+            await sent.wait()  # keep the write side open until the request is over
+
+        call = self.stub().ModelStreamInfer(requests(), metadata=tuple(headers.items()))
+        finished = False
+        try:
+            async for response in call:
+                if response.error_message:
+                    finished = True
+                    raise from_triton(response.error_message)
+                outputs = decode_response(InferResult(response.infer_response)) if response.infer_response.outputs else {}
+                if outputs:
+                    yield Delta.from_outputs(outputs)
+                if response.infer_response.parameters["triton_final_response"].bool_param:
+                    finished = True
+                    return
+            finished = True
+            raise OpenAIError(503, "Triton closed the stream before the request finished",
+                              "service_unavailable_error", None, "service_unavailable")
+        except grpc.aio.AioRpcError as exc:
+            finished = True
+            raise from_rpc(exc, self.url) from None
+        finally:
+            sent.set()
+            if not finished:
+                call.cancel()
+
+    async def visible_adapters(self, headers: dict[str, str]) -> list[str]:
+        """The adapters the caller may use, as lora_llm itself lists them for a name it does not serve."""
+        try:
+            async for _ in self.generate("x", {"max_tokens": 1, "lora_name": PROBE_ADAPTER}, headers):
+                pass
+        except OpenAIError as exc:
+            if exc.status == 404:
+                return parse_adapter_list(exc.message)
+            raise
+        raise OpenAIError(500, f"lora_llm served the probe adapter {PROBE_ADAPTER!r}; cannot list adapters",
+                          "server_error", None, "internal_error")
