@@ -186,7 +186,10 @@ def completion_logprobs(entries: list[dict], top: int, offset: int = 0) -> dict[
         chosen, candidates = _ranked(entry, top)
         out["tokens"].append(chosen["decoded_token"])
         out["token_logprobs"].append(chosen["logprob"])
-        out["top_logprobs"].append({c["decoded_token"]: c["logprob"] for c in candidates} if top else None)
+        by_text: dict[str, float] = {}
+        for c in candidates:  # keyed by text: two byte tokens may both read '\ufffd'; the likelier one stays
+            by_text.setdefault(c["decoded_token"], c["logprob"])
+        out["top_logprobs"].append(by_text if top else None)
         out["text_offset"].append(offset)
         offset += len(chosen["decoded_token"])
     return out
