@@ -1,6 +1,7 @@
 # Loraplex developer entry points. Everything runs inside $(VENV), created on demand.
 #   make setup    create .venv and install the pinned dependencies (idempotent)
-#   make serve    start tritonserver with model_repository/ (demo model unless MODEL_DIR=...)
+#   make serve    start tritonserver with model_repository/ (demo model unless MODEL_DIR=...) and the
+#                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off)
 #   make test     build the demo, then run the whole test suite
 #   make demo     build the offline demo model + adapters in .cache/demo
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
@@ -14,6 +15,7 @@ MODEL_DIR ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 ADAPTER_STORE ?= .cache/adapters
 ENGINE_CONFIG ?=
 TENANTS_FILE ?=
@@ -48,6 +50,7 @@ demo: setup
 serve: setup
 	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)') \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--openai-port $(OPENAI_PORT) \
 		--adapter-store '$(ADAPTER_STORE)' $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
 		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
 

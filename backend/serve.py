@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from loraplex.openai.process import GatewayError, GatewayProcess
 from loraplex.processes import process_running
 from loraplex.tenancy import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
 from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
@@ -37,8 +38,26 @@ def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
     return copied
 
 
-def usage_text(server: TritonServer, lora_name: str | None = "demo-a", api_keys: bool = False) -> str:
-    """How to call the running server (gRPC with tritonclient, and curl); with ``api_keys``, sending a key."""
+def openai_usage_text(url: str, model: str, api_keys: bool = False) -> str:
+    """How to call the OpenAI-compatible gateway at ``url`` (curl and the openai SDK)."""
+    auth = "-H 'Authorization: Bearer <your key>' " if api_keys else "-H 'x-tenant-id: acme' "
+    sdk_key = '"<your key>"' if api_keys else '"none", default_headers={"x-tenant-id": "acme"}'
+    return f"""\
+OpenAI-compatible API (loraplex-openai): {url}/v1   models: curl -s {auth}{url}/v1/models
+  curl -s {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
+  from openai import OpenAI
+  c = OpenAI(base_url="{url}/v1", api_key={sdk_key})
+  print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16).choices[0].message.content)
+"""
+
+
+def usage_text(server: TritonServer, lora_name: str | None = "demo-a", api_keys: bool = False,
+               openai: tuple[str, str] | None = None) -> str:
+    """How to call the running server (gRPC with tritonclient, and curl); with ``api_keys``, sending a key.
+
+    ``openai`` is the gateway's (url, example model) when it runs.
+    """
     http_port, grpc = server.http_port, server.grpc_url
     lora = f', "lora_name": "{lora_name}"' if lora_name else ""
     header = '"x-api-key": "<your key>"' if api_keys else '"x-tenant-id": "acme"'
@@ -69,7 +88,7 @@ Python gRPC streaming (tritonclient):
 Your own adapters (a PEFT folder; served to your tenant only, usable at once):
   loraplex-adapters --url {grpc} {auth} upload ./my-adapter --name support
   loraplex-adapters --url {grpc} {auth} list
-"""
+""" + ("\n" + openai_usage_text(openai[0], openai[1], api_keys) if openai else "")
 
 
 class _LogFollower:
@@ -142,8 +161,12 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
     return True
 
 
-def _watch(server: TritonServer, follower, stop: _StopRequest) -> tuple[str, list[int]]:
-    """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs."""
+def _watch(server: TritonServer, follower, stop: _StopRequest,
+           gateway: GatewayProcess | None = None) -> tuple[str, list[int]]:
+    """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs.
+
+    A gateway that died meanwhile is restarted (it holds no state; Triton is not touched).
+    """
     stubs, probed = server.stubs(include_dead=True), time.monotonic()  # a stub killed before we look is a zombie
     reason, dead = STOP, []
     while not stop:
@@ -159,6 +182,11 @@ def _watch(server: TritonServer, follower, stop: _StopRequest) -> tuple[str, lis
             if not server.http_listening():
                 reason = STOPPING
                 break
+        if gateway is not None:
+            code = gateway.restart_if_dead()
+            if code is not None:
+                print(f"loraplex-serve: loraplex-openai exited with code {code}; restarted it", file=sys.stderr,
+                      flush=True)
         if follower:
             follower.pump()
         time.sleep(0.25)
@@ -168,7 +196,7 @@ def _watch(server: TritonServer, follower, stop: _StopRequest) -> tuple[str, lis
 
 
 def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_name: str | None,
-          quiet: bool = False) -> int:
+          quiet: bool = False, gateway: GatewayProcess | None = None) -> int:
     """Run the server until a stop is requested (0) or it stops on its own (1), restarting it whenever a stub dies.
 
     Triton 2.51 never restarts the stub of a decoupled model: after it dies, the server
@@ -177,6 +205,7 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_n
     restart of tritonserver on the same ports; in-flight streams end with UNAVAILABLE.
     A server told to stop by someone else (its HTTP port closes first) gets
     ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
+    The OpenAI gateway, if any, starts once Triton is first ready and outlives Triton restarts.
     """
     follower = None
     for run in itertools.count():
@@ -188,10 +217,16 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_n
         if not _wait_ready(server, follower, stop, ready_timeout):
             return 0
         if run == 0:
-            print("\n" + usage_text(server, lora_name, TENANTS_FILE_ENV in (server.env or {})), flush=True)
+            if gateway is not None:
+                print(f"loraplex-serve: starting loraplex-openai on port {gateway.port}", file=sys.stderr, flush=True)
+                if not gateway.start().wait_ready(ready_timeout, lambda: bool(stop)):
+                    return 0
+            openai = (gateway.url, lora_name or gateway.served_model_name or Path(gateway.model_dir).name) \
+                if gateway is not None else None
+            print("\n" + usage_text(server, lora_name, TENANTS_FILE_ENV in (server.env or {}), openai), flush=True)
         else:
             print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
-        reason, dead = _watch(server, follower, stop)
+        reason, dead = _watch(server, follower, stop, gateway)
         if reason == STOP:
             return 0
         if reason == STOPPING:
@@ -229,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON file of tenants and the sha256 of their API keys (README: Tenants), passed to the "
                          "model as LORAPLEX_TENANTS_FILE and re-read when it changes; without it (development "
                          "mode) clients name their tenant with x-tenant-id")
+    ap.add_argument("--openai-port", type=int, default=0,
+                    help="port of the OpenAI-compatible gateway (loraplex-openai) started beside Triton; 0 = off "
+                         "(`make serve` uses OPENAI_PORT, default 9000)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="id of the base model in the gateway's /v1/models (default: the checkpoint's folder name)")
     ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the server to become ready")
@@ -292,16 +332,24 @@ def main(argv: list[str] | None = None) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
     )
+    gateway = None
+    if args.openai_port:
+        gateway = GatewayProcess(server.grpc_url, args.openai_port, args.address, str(Path(model_dir).resolve()),
+                                 args.served_model_name)
     rc = 1
     with _StopRequest() as stop:
         try:
-            rc = serve(server, stop, args.ready_timeout, lora_name, quiet=args.quiet)
-        except TritonServerError as exc:
+            rc = serve(server, stop, args.ready_timeout, lora_name, quiet=args.quiet, gateway=gateway)
+        except (TritonServerError, GatewayError) as exc:
             print(f"\nloraplex-serve: {exc}", file=sys.stderr)
         finally:
             if stop:
                 print("\nloraplex-serve: stopping tritonserver ...", file=sys.stderr, flush=True)
+            if gateway is not None:
+                gateway.terminate()  # no new clients; its open streams end as Triton ends them
             server.stop(grace=10)
+            if gateway is not None:
+                gateway.stop(grace=10)
     return rc
 
 

@@ -398,3 +398,77 @@ def test_builders_make_variants(tmp_path):
     assert shapes["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] == (4, 128)
     assert shapes["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"] == (32, 4)
     assert shapes["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] == (4, 344)
+
+
+# ---------------------------------------------------------------- loraplex-serve with the OpenAI gateway
+
+def _gateway_pids(launcher_pid: int) -> list[int]:
+    """The launcher's `python -m loraplex.openai` children."""
+    found = []
+    for p in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                if b"loraplex.openai" in f.read().split(b"\0"):
+                    found.append(p.pid)
+        except OSError:
+            continue
+    return [pid for pid in found if any(q.pid == pid and q.running for q in processes())]
+
+
+def test_serve_runs_the_openai_gateway_restarts_it_and_stops_it(tmp_path, demo):
+    """--openai-port: the gateway answers after Triton, a killed one comes back, SIGTERM leaves nothing behind."""
+    import subprocess
+
+    import openai
+    from tritonserver_fixture import Launcher
+
+    http, grpc, metrics, port = free_ports(4)
+    cmd = [str(Path(sys.executable).with_name("loraplex-serve")), "--quiet", "--model-dir", str(demo["model"]),
+           "--adapter-store", str(tmp_path / "adapters"), "--address", "127.0.0.1", "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port),
+           "--served-model-name", "tiny"]
+    with open(tmp_path / "out", "wb") as o, open(tmp_path / "err", "wb") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    launcher = Launcher(proc, http, grpc, tmp_path / "out", tmp_path / "err")
+    try:
+        launcher.wait_serving()
+        deadline = time.monotonic() + 60
+        while f"http://127.0.0.1:{port}/v1" not in (tmp_path / "out").read_text():  # printed once it answers
+            assert time.monotonic() < deadline and proc.poll() is None, launcher.stderr()
+            time.sleep(0.2)
+        usage = (tmp_path / "out").read_text()
+        assert "OpenAI-compatible API" in usage and '"model": "tiny"' in usage and "x-tenant-id: acme" in usage
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                            default_headers={"x-tenant-id": "acme"})
+        models = sdk.models.list().data
+        assert models[0].id == "tiny" and models[0].parent is None
+        assert {m.id for m in models[1:]} == {"demo-a", "demo-b"} and {m.parent for m in models[1:]} == {"tiny"}
+        reply = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 3
+
+        (first,) = _gateway_pids(proc.pid)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not ((pids := _gateway_pids(proc.pid)) and pids != [first]):
+            assert time.monotonic() < deadline, launcher.stderr()
+            time.sleep(0.2)
+        assert "loraplex-openai exited with code -9; restarted it" in launcher.stderr()
+
+        sessions = launcher.sessions()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=SERVE_EXIT_TIMEOUT + 30) == 0
+        wait_gone(sessions, timeout=5)  # tritonserver, its stub, the guard and the gateway
+    finally:
+        launcher.kill()
+
+
+def test_usage_text_shows_the_openai_gateway():
+    from loraplex.serve import usage_text
+
+    server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
+    text = usage_text(server, "demo-a", api_keys=True, openai=("http://127.0.0.1:9000", "demo-a"))
+    assert "http://127.0.0.1:9000/v1/chat/completions" in text and "Authorization: Bearer <your key>" in text
+    assert 'OpenAI(base_url="http://127.0.0.1:9000/v1", api_key="<your key>")' in text
+    assert "OpenAI-compatible" not in usage_text(server, "demo-a")

@@ -1,0 +1,125 @@
+"""The gateway as a child process of ``loraplex-serve``: start, wait until it answers, watch, stop.
+
+Standard library only (the launcher does not import FastAPI). The child gets its own session,
+so a Ctrl-C in the terminal reaches the launcher alone and the launcher stops it in order; it
+gets SIGTERM from the kernel if the launcher dies (parent-death signal), and uvicorn's graceful
+shutdown is bounded (``cli.GRACEFUL_SHUTDOWN_SECONDS``), so it is never left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from loraplex.processes import die_with_parent
+
+RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most this often
+
+
+class GatewayError(RuntimeError):
+    """The gateway exited or did not answer in time."""
+
+
+@dataclass
+class GatewayProcess:
+    """One ``python -m loraplex.openai`` child in front of ``triton_url``."""
+
+    triton_url: str
+    port: int
+    host: str = "0.0.0.0"
+    model_dir: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "warning"
+    proc: subprocess.Popen | None = field(default=None, init=False)
+    started_at: float = field(default=0.0, init=False)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` clients reach it at."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """Its command line."""
+        cmd = [sys.executable, "-m", "loraplex.openai", "--triton-url", self.triton_url, "--host", self.host,
+               "--port", str(self.port), "--log-level", self.log_level]
+        if self.model_dir:
+            cmd += ["--model-dir", str(self.model_dir)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd
+
+    def start(self) -> "GatewayProcess":
+        """Launch it (does not wait); its output goes to the launcher's stderr."""
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        try:
+            err = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a stderr without a file (captured): inherit fd 2
+            err = None
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                     start_new_session=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                     preexec_fn=die_with_parent(signal.SIGTERM) if on_main_thread else None)
+        self.started_at = time.monotonic()
+        return self
+
+    def running(self) -> bool:
+        """Whether the child is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def answers(self) -> bool:
+        """Whether ``/health`` answers 200 right now."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float, stop=lambda: False) -> bool:
+        """True once it answers, False if a stop was requested first; GatewayError if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if stop():
+                return False
+            if not self.running():
+                raise GatewayError(f"loraplex-openai exited with code {self.proc.returncode} "
+                                   f"(is port {self.port} free?)")
+            if time.monotonic() > deadline:
+                raise GatewayError(f"loraplex-openai did not answer on {self.url} within {timeout:.0f}s")
+            time.sleep(0.2)
+        return True
+
+    def restart_if_dead(self) -> int | None:
+        """Restart a gateway that died (rate-limited); its exit code if it was restarted."""
+        if self.proc is None or self.running() or time.monotonic() - self.started_at < RESTART_MIN_INTERVAL:
+            return None
+        code = self.proc.returncode
+        self.start()
+        return code
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM: no new connections, open streams get a bounded grace); does not wait."""
+        if self.running():
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace`` s; its exit code."""
+        if self.proc is None:
+            return None
+        self.terminate()
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode
