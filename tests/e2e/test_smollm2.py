@@ -90,6 +90,9 @@ def served(triton_server, tokenizer):
 
 
 def test_greedy_equals_transformers_and_peft(served, smollm2, tokenizer, triton_server):
+    from loraplex.smollm2 import chat_text
+
+    assert all(chat(tokenizer, q) == chat_text(q) for q in QUESTIONS)  # what raw-text clients may send
     store = triton_server.env["LORAPLEX_ADAPTER_STORE"]
     for (question, lora), result in served.items():
         assert result.error is None and result.final_count == 1, (question, lora, result.error)
