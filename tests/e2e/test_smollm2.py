@@ -78,7 +78,7 @@ def served(triton_server, tokenizer):
     def run(question, lora):
         params = {"temperature": 0, "logprobs": 0, "max_tokens": MAX_TOKENS, **({"lora_name": lora} if lora else {})}
         results[question, lora] = stream_generate(triton_server.grpc_url, chat(tokenizer, question), params,
-                                                  timeout=120)
+                                                  timeout=120, return_logprobs=True)
 
     threads = [threading.Thread(target=run, args=job) for job in jobs]
     for t in threads:
