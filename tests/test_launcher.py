@@ -472,3 +472,16 @@ def test_usage_text_shows_the_openai_gateway():
     assert "http://127.0.0.1:9000/v1/chat/completions" in text and "Authorization: Bearer <your key>" in text
     assert 'OpenAI(base_url="http://127.0.0.1:9000/v1", api_key="<your key>")' in text
     assert "OpenAI-compatible" not in usage_text(server, "demo-a")
+
+
+def test_builtin_models_have_their_own_adapter_store_and_example(demo):
+    from loraplex.serve import builtin_model, default_adapter_store, usage_text
+
+    assert default_adapter_store("smollm2").name == "adapters-smollm2"
+    assert default_adapter_store(None).name == "adapters"
+    model_dir, adapters, example = builtin_model("tiny")
+    assert model_dir == Path(demo["model"]) and {p.name for p in adapters.iterdir()} >= {"demo-a", "demo-b"}
+    assert example == {"lora_name": "demo-a"}
+    server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
+    text = usage_text(server, "pirate", question="What is the capital of France?", prompt="<|im_start|>user\nWhat?")
+    assert '"text_input": "<|im_start|>user\\nWhat?"' in text and '"lora_name": "pirate"' in text
