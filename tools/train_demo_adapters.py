@@ -421,10 +421,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import peft
     import torch
+    from loraplex.smollm2 import ensure_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from loraplex.smollm2 import ensure_smollm2
 
     torch.set_num_threads(2)
     hf_logging.set_verbosity_error()
@@ -441,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({"adapter": name, **ex}, ensure_ascii=False) + "\n")
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         # each adapter is seeded on its own: --only NAME trains exactly what the full run does
-        command = f"python tools/train_demo_adapters.py` or `python tools/train_demo_adapters.py --only {{name}}"
+        command = "python tools/train_demo_adapters.py` or `python tools/train_demo_adapters.py --only {name}"
         for name in names:
             log(f"training {name} ({ADAPTERS[name]}) on {len(TRAIN)} examples")
             facts = train_adapter(base, tokenizer, name, out / name)
