@@ -31,10 +31,10 @@ def read_adapter_folder(folder: str | os.PathLike) -> tuple[str, bytes]:
     config, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
     if not weights.is_file():
         if (root / PICKLE_FILE).is_file():
+            load = f"torch.load('{root / PICKLE_FILE}', weights_only=True)"  # tensors only, never arbitrary objects
             raise ValueError(
                 f"{root} holds only {PICKLE_FILE} (a pickle); the server refuses pickle files. Convert it first:\n"
-                f"  python -c \"import torch; from safetensors.torch import save_file; save_file(torch.load("
-                f"'{root / PICKLE_FILE}', weights_only=True), '{weights}')\""
+                f"  python -c \"import torch; from safetensors.torch import save_file; save_file({load}, '{weights}')\""
             )
         raise ValueError(f"{root}: missing {WEIGHTS_FILE}")
     if not config.is_file():
