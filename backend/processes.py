@@ -8,8 +8,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -117,6 +121,24 @@ def die_with_parent(sig: int):
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+def start_in_session(cmd: list[str], death_signal: int = DEATH_SIGNAL, **popen) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (a terminal's Ctrl-C reaches only us) that gets
+    ``death_signal`` when we die; the kernel ties that signal to the forking thread, so only
+    a child forked from the main thread gets it."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    return subprocess.Popen(cmd, start_new_session=True,
+                            preexec_fn=die_with_parent(death_signal) if on_main_thread else None, **popen)
+
+
+def answers_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether a GET of ``url`` answers 200 right now (health and readiness probes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _guard_main(pgid: int, grace: float) -> None:

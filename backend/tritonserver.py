@@ -34,16 +34,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from . import processes as procs
-from .processes import (DEATH_SIGNAL, GUARD_DONE, STUB_COMM, die_with_parent, kill_group, processes, shm_region,
+from .processes import (GUARD_DONE, STUB_COMM, answers_ok, kill_group, processes, shm_region, start_in_session,
                         stub_shm_regions, unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
@@ -342,12 +339,8 @@ class TritonServer:
         env = server_env(self.install, self.env)
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
-            stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent(DEATH_SIGNAL) if on_main_thread else None,
-        )
+        self.proc = start_in_session(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT)
         self._stopped = False
         try:
             guard = [sys.executable, "-I", "-S", procs.__file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5)]
@@ -360,11 +353,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """Whether ``/v2/health/ready`` answers 200 right now."""
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        return answers_ok(f"{self.http_url}/v2/health/ready")
 
     def http_listening(self) -> bool:
         """Whether the HTTP port still has a listener: Triton closes it first thing when it shuts down."""

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .identity import add_identity_arguments, identity_headers
+
 MODEL = "lora_adapters"
 CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 
@@ -105,11 +107,6 @@ def delete_adapter(url: str, name: str, **kw) -> dict:
     return adapter_request(url, "delete", name, **kw)
 
 
-def headers_for(api_key: str | None, tenant: str | None) -> dict | None:
-    """The identity headers: x-api-key (tenants file), x-tenant-id (development mode)."""
-    return {k: v for k, v in (("x-api-key", api_key), ("x-tenant-id", tenant)) if v} or None
-
-
 def _error_text(exc: Exception) -> str:
     message = getattr(exc, "message", None)
     return message() if callable(message) else str(exc)
@@ -123,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="Triton address (default localhost:8001 for grpc, "
                                                 "localhost:8000 for http)")
     ap.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="default grpc")
-    ap.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
-                    help="sent as the x-api-key header (default: $LORAPLEX_API_KEY); needed when the server has a "
-                         "tenants file")
-    ap.add_argument("--tenant", default=None, help="sent as the x-tenant-id header (development mode, no tenants file)")
+    add_identity_arguments(ap)
     commands = ap.add_subparsers(dest="command", required=True)
     up = commands.add_parser("upload", help="upload a PEFT folder (adapter_config.json + adapter_model.safetensors)")
     up.add_argument("folder")
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.add_parser(command, help=text).add_argument("name")
     args = ap.parse_args(argv)
     url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
-    kw = {"headers": headers_for(args.api_key, args.tenant), "protocol": args.protocol}
+    kw = {"headers": identity_headers(args.api_key, args.tenant), "protocol": args.protocol}
     try:
         if args.command == "upload":
             result = upload_adapter(url, args.name, args.folder, **kw)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import sys
 import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .identity import add_identity_arguments, identity_headers
 
 RETURN_FLAGS = (
     "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
@@ -97,17 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("prompt", help="text to complete")
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
     ap.add_argument("--lora", default=None, help="adapter name (default: the base model)")
-    ap.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
-                    help="sent as the x-api-key header (default: $LORAPLEX_API_KEY); needed when the server has a "
-                         "tenants file")
-    ap.add_argument("--tenant", default=None, help="sent as the x-tenant-id header (development mode, no tenants file)")
+    add_identity_arguments(ap)
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     args = ap.parse_args(argv)
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.lora:
         params["lora_name"] = args.lora
-    headers = {k: v for k, v in (("x-api-key", args.api_key), ("x-tenant-id", args.tenant)) if v} or None
+    headers = identity_headers(args.api_key, args.tenant)
     result = stream_generate(args.url, args.prompt, params, headers, return_finish_reason=True)
     for r in result.responses:
         sys.stdout.write(r["text_output"][0])

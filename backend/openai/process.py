@@ -12,13 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
-from loraplex.processes import die_with_parent
+from loraplex.processes import answers_ok, start_in_session
 
 RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most this often
 
@@ -58,15 +55,12 @@ class GatewayProcess:
 
     def start(self) -> "GatewayProcess":
         """Launch it (does not wait); its output goes to the launcher's stderr."""
-        on_main_thread = threading.current_thread() is threading.main_thread()
         try:
             err = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):  # a stderr without a file (captured): inherit fd 2
             err = None
-        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                     start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                     preexec_fn=die_with_parent(signal.SIGTERM) if on_main_thread else None)
+        self.proc = start_in_session(self.command(), signal.SIGTERM, stdin=subprocess.DEVNULL, stdout=err,
+                                     stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.started_at = time.monotonic()
         return self
 
@@ -76,11 +70,7 @@ class GatewayProcess:
 
     def answers(self) -> bool:
         """Whether ``/health`` answers 200 right now."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        return answers_ok(f"{self.url}/health")
 
     def wait_ready(self, timeout: float, stop=lambda: False) -> bool:
         """True once it answers, False if a stop was requested first; GatewayError if it exits or times out."""
