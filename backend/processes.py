@@ -74,10 +74,28 @@ def shm_region(pid: int) -> str | None:
     return argv[2].decode() if len(argv) > 2 and argv[2].startswith(SHM_PREFIX.encode()) else None
 
 
-def stub_shm_regions(pgid: int) -> list[str]:
-    """Shared-memory regions of the live Python-backend stubs in process group ``pgid``."""
-    stubs = (p.pid for p in processes() if p.pgid == pgid and p.comm == STUB_COMM and p.running)
-    return [r for r in map(shm_region, stubs) if r]
+def mapped_shm_regions(pid: int) -> set[str]:
+    """The stub shared-memory regions process ``pid`` has mapped.
+
+    tritonserver maps the region of every stub it started, dead ones included, and a stub
+    maps its own: unlike a dead stub's command line, this survives the stub.
+    """
+    marker = f"/dev/shm/{SHM_PREFIX}"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if marker in line}
+    except OSError:
+        return set()
+    return {path.rsplit("/", 1)[1] for path in paths if path.startswith(marker) and not path.endswith("(deleted)")}
+
+
+def group_shm_regions(pgid: int) -> set[str]:
+    """Shared-memory regions mapped by the live members of process group ``pgid`` (a server and its stubs)."""
+    regions: set[str] = set()
+    for p in processes():
+        if p.pgid == pgid and p.running:
+            regions |= mapped_shm_regions(p.pid)
+    return regions
 
 
 def kill_group(pgid: int, regions: Iterable[str] = (), timeout: float = 5.0) -> None:
@@ -152,7 +170,7 @@ def _guard_main(pgid: int, grace: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.stdin.buffer.read() == GUARD_DONE or not any(p.pgid == pgid for p in processes()):
         return
-    regions = stub_shm_regions(pgid)
+    regions = group_shm_regions(pgid)
     try:
         os.kill(pgid, DEATH_SIGNAL)
     except ProcessLookupError:

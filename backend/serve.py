@@ -23,7 +23,7 @@ from loraplex.tenancy import TENANTS_FILE_ENV, TenantsFileError, load_tenants_fi
 from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-STOP, EXITED, STOPPING, DEAD_STUB = "stop", "exited", "stopping", "dead stub"  # why _watch returned
+READY, STOP, EXITED, STOPPING, DEAD_STUB = "ready", "stop", "exited", "stopping", "dead stub"  # why a wait ended
 
 
 def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
@@ -174,14 +174,20 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: float) -> bool:
-    """Wait until the server is ready (True) or a stop is requested (False); raise if it fails."""
+def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: float) -> str:
+    """Wait until the server is READY, a stop is requested (STOP) or someone else is stopping it (STOPPING).
+
+    Raises if it exits or is not ready in time. STOPPING matters when that someone was
+    faster than our readiness probe: a server stopped with streams open can hang on exit.
+    """
     deadline = time.monotonic() + timeout
+    reason = READY
     while not server.is_ready():
         if follower:
             follower.pump()
-        if stop:
-            return False
+        if stop or server.signalled():
+            reason = STOP if stop else STOPPING
+            break
         if server.proc.poll() is not None or time.monotonic() > deadline:
             if follower:
                 follower.pump()
@@ -191,7 +197,7 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
         time.sleep(0.2)
     if follower:
         follower.pump()
-    return True
+    return reason
 
 
 def _watch(server: TritonServer, follower, stop: _StopRequest,
@@ -209,6 +215,9 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
         dead = [pid for pid in stubs if not process_running(pid)]
         if dead:
             reason = DEAD_STUB
+            break
+        if server.signalled():
+            reason = STOPPING
             break
         if time.monotonic() - probed > 1.0:
             probed = time.monotonic()
@@ -228,7 +237,24 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
     return reason, dead
 
 
-def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, example: dict,
+def _announce(server: TritonServer, run: int, stop: _StopRequest, example: dict, gateway: GatewayProcess | None) -> bool:
+    """Say the server is serving: the first time, start the gateway (False: a stop came first) and print how to call it."""
+    if run:
+        print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
+        return True
+    if gateway is not None:
+        print(f"loraplex-serve: starting loraplex-openai on port {gateway.port}", file=sys.stderr, flush=True)
+        if not gateway.start().wait_ready(server.ready_timeout, lambda: bool(stop)):
+            return False
+    model = example.get("lora_name") or gateway.served_model_name or Path(gateway.model_dir).name \
+        if gateway is not None else None
+    openai = (gateway.url, model) if gateway is not None else None
+    print("\n" + usage_text(server, api_keys=TENANTS_FILE_ENV in (server.env or {}), openai=openai, **example),
+          flush=True)
+    return True
+
+
+def serve(server: TritonServer, stop: _StopRequest, example: dict,
           quiet: bool = False, gateway: GatewayProcess | None = None) -> int:
     """Run the server until a stop is requested (0) or it stops on its own (1), restarting it whenever a stub dies.
 
@@ -236,7 +262,7 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, exampl
     stays live and ready, every new request fails with "Stub process ... is not
     healthy" and in-flight streams hang until the server exits. So a dead stub costs a
     restart of tritonserver on the same ports; in-flight streams end with UNAVAILABLE.
-    A server told to stop by someone else (its HTTP port closes first) gets
+    A server told to stop by someone else (it logs the signal and closes its HTTP port) gets
     ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
     The OpenAI gateway, if any, starts once Triton is first ready and outlives Triton restarts.
     ``example`` (usage_text's lora_name, question, prompt) is what the printed examples send.
@@ -248,21 +274,11 @@ def serve(server: TritonServer, stop: _StopRequest, ready_timeout: float, exampl
         server.start()
         print(f"loraplex-serve: starting tritonserver (pid {server.pid}, log {server.log_path})", file=sys.stderr)
         follower = follower or (None if quiet else _LogFollower(server.log_path))
-        if not _wait_ready(server, follower, stop, ready_timeout):
-            return 0
-        if run == 0:
-            if gateway is not None:
-                print(f"loraplex-serve: starting loraplex-openai on port {gateway.port}", file=sys.stderr, flush=True)
-                if not gateway.start().wait_ready(ready_timeout, lambda: bool(stop)):
-                    return 0
-            model = example.get("lora_name") or gateway.served_model_name or Path(gateway.model_dir).name \
-                if gateway is not None else None
-            openai = (gateway.url, model) if gateway is not None else None
-            print("\n" + usage_text(server, api_keys=TENANTS_FILE_ENV in (server.env or {}), openai=openai, **example),
-                  flush=True)
-        else:
-            print(f"loraplex-serve: tritonserver is serving again (restart {run})", file=sys.stderr, flush=True)
-        reason, dead = _watch(server, follower, stop, gateway)
+        reason, dead = _wait_ready(server, follower, stop, server.ready_timeout), []
+        if reason == READY:
+            if not _announce(server, run, stop, example, gateway):
+                return 0
+            reason, dead = _watch(server, follower, stop, gateway)
         if reason == STOP:
             return 0
         if reason == STOPPING:
@@ -382,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     with _StopRequest() as stop:
         try:
-            rc = serve(server, stop, args.ready_timeout, example, quiet=args.quiet, gateway=gateway)
+            rc = serve(server, stop, example, quiet=args.quiet, gateway=gateway)
         except (TritonServerError, GatewayError) as exc:
             print(f"\nloraplex-serve: {exc}", file=sys.stderr)
         finally:

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from . import processes as procs
-from .processes import (GUARD_DONE, STUB_COMM, answers_ok, kill_group, processes, shm_region, start_in_session,
-                        stub_shm_regions, unlink_shm)
+from .processes import (GUARD_DONE, STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions,
+                        processes, start_in_session, unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
 CONTAINER_ROOT = Path("/opt/tritonserver")
@@ -226,6 +226,7 @@ def _tail(path: Path, max_bytes: int = 8000) -> str:
 
 
 _PORT_IN_USE = ("already in use",)
+_SIGNAL_LOGGED = b"Signal ("  # tritonserver's line on SIGINT / SIGTERM
 
 @dataclass
 class TritonServer:
@@ -260,6 +261,8 @@ class TritonServer:
     _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _regions: set[str] = field(default_factory=set, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
+    _log_scanned: int = field(default=0, init=False, repr=False)
+    _signalled: bool = field(default=False, init=False, repr=False)
 
     # ---- addresses -------------------------------------------------------------
     @property
@@ -338,6 +341,7 @@ class TritonServer:
         cmd = self.command(backends)
         env = server_env(self.install, self.env)
         self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_scanned, self._signalled = self._log_file.tell(), False
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         self.proc = start_in_session(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT)
@@ -364,6 +368,24 @@ class TritonServer:
             return False
         except OSError:  # slow or unreachable is not "gone"
             return True
+
+    def signalled(self) -> bool:
+        """Whether this run of tritonserver has logged a stop signal (it prints "Signal (15) received.").
+
+        Tells that someone else is stopping it even before we saw it ready, when its HTTP
+        port (open only while it serves) has nothing to say. Reads only what is new.
+        """
+        if self._signalled or self.log_path is None:
+            return self._signalled
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, self._log_scanned - len(_SIGNAL_LOGGED) + 1))  # a line the last read cut in two
+                new = f.read()
+                self._log_scanned = f.tell()
+        except OSError:
+            return False
+        self._signalled = _SIGNAL_LOGGED in new
+        return self._signalled
 
     def log_tail(self, max_bytes: int = 8000) -> str:
         """The last part of the server log."""
@@ -409,14 +431,14 @@ class TritonServer:
     def stubs(self, include_dead: bool = False) -> list[int]:
         """Pids of the server's Python-backend stubs (its children; dead ones not reaped yet too, if asked).
 
-        Remembers their shm regions: a stub that dies loses its command line, so ``stop()``
-        unlinks the regions seen here.
+        Remembers the stubs' shm regions (the server maps each), so that ``stop()`` can unlink
+        them even once the server itself has died.
         """
         if self.proc is None:
             return []
         pids = [p.pid for p in processes()
                 if p.ppid == self.proc.pid and p.comm == STUB_COMM and (include_dead or p.running)]
-        self._regions.update(r for r in map(shm_region, pids) if r)
+        self._regions |= mapped_shm_regions(self.proc.pid)
         return pids
 
     def _group_alive(self) -> bool:
@@ -457,7 +479,7 @@ class TritonServer:
         if proc is None or self._stopped:
             return None if proc is None else proc.returncode
         try:
-            regions = self._regions.union(stub_shm_regions(proc.pid) if self._group_alive() else ())
+            regions = self._regions | (group_shm_regions(proc.pid) if self._group_alive() else set())
             if proc.poll() is None:
                 try:
                     os.kill(proc.pid, signal.SIGINT)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 
-from loraplex.processes import STUB_COMM, processes, shm_region
+from loraplex.processes import SHM_PREFIX, STUB_COMM, mapped_shm_regions, processes, shm_region
 from loraplex.tritonserver import TritonServer, TritonServerError, free_ports, project_root
 from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, make_triton_server_fixture,
                                   wait_ended, wait_gone)
@@ -304,6 +304,39 @@ def test_free_ports_are_distinct_and_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_mapped_shm_regions_are_read_from_proc_maps_and_skip_unlinked_ones():
+    import mmap
+    import uuid
+
+    name = f"{SHM_PREFIX}{uuid.uuid4()}"
+    path = Path("/dev/shm", name)
+    with open(path, "w+b") as f:
+        f.truncate(4096)
+        region = mmap.mmap(f.fileno(), 4096)
+    try:
+        assert name in mapped_shm_regions(os.getpid())  # what a server keeps of a stub that died
+        path.unlink()
+        assert name not in mapped_shm_regions(os.getpid())  # "(deleted)": nothing left to unlink
+    finally:
+        region.close()
+        path.unlink(missing_ok=True)
+    assert mapped_shm_regions(2 ** 22 + 1) == set()  # no such process
+
+
+def test_signalled_reads_only_this_run_of_the_log_and_finds_a_line_cut_by_a_read(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_bytes(b"Signal (2) received.\n")  # the last run's stop
+    server = TritonServer(project_root() / "model_repository", log_path=log)
+    server._log_scanned = log.stat().st_size  # what start() records
+    assert not server.signalled()
+    with open(log, "ab") as f:
+        f.write(b"I1201 server.cc] ready\nSign")
+        f.flush()
+        assert not server.signalled()
+        f.write(b"al (15) received.\n")
+    assert server.signalled() and server.signalled()
 
 
 # ---------------------------------------------------------------- demo builder

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, start_streams, wait_ended,
                                   wait_gone)
 
@@ -51,7 +53,7 @@ def test_killed_stub_fails_in_flight_streams_and_the_launcher_serves_again(tmp_p
         deadline = time.monotonic() + 5  # ... and so, once the launcher saw the group empty, is the stub's memory
         while Path("/dev/shm", region).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not Path("/dev/shm", region).exists()
+        assert not Path("/dev/shm", region).exists(), launcher.stderr()
         assert any(p.comm == STUB_COMM for p in descendants(again.pid))
 
 
@@ -66,5 +68,9 @@ def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_t
             kind, at, text = s.only_ending()
             assert at - t0 < BOUND
             assert kind == "final" or "the model is shutting down" in text, text  # ended by the model, not dropped
-        assert launcher.proc.wait(timeout=BOUND) == 1  # it stops with its server
+        try:
+            rc = launcher.proc.wait(timeout=BOUND)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"loraplex-serve still runs {BOUND}s after its server was stopped:\n{launcher.stderr()}")
+        assert rc == 1  # it stops with its server
         wait_gone(sessions, timeout=10)
