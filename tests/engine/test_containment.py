@@ -173,11 +173,10 @@ def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_f
     engine.add_request(detok)
     outputs = run(engine, {}, steps=2)  # prefilled and forked
 
-    class BrokenTokenizer:
-        def decode(self, ids, **kwargs):
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer failure")
+    def broken_decode(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer failure")
 
-    engine._requests["detok"][1].detok.tokenizer = BrokenTokenizer()  # sample 1 of the n=2 request
+    engine._requests["detok"][1].detok._decode = broken_decode  # sample 1 of the n=2 request
     run(engine, outputs)
     assert_failed_once(outputs, "lookup", "planted prefix lookup failure")
     assert_failed_once(outputs, "detok", "planted detokenizer failure")

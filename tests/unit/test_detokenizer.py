@@ -40,3 +40,30 @@ def test_stop_string_truncates_and_is_held_back(tokenizer):
             break
         assert detok.stable_length(False) <= max(len(detok.text) - 3, 0)
     assert matched == "STOP" and detok.text == "abc"
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_backend_decoder_equals_hf_decode(tokenizer, skip_special):
+    import random
+
+    from loraplex.detokenizer import decoder_of
+
+    decode = decoder_of(tokenizer, skip_special)
+    assert decode.func == tokenizer._tokenizer.decode  # the fast path is the one taken here
+    rng = random.Random(0)
+    special = list(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(12))] + rng.sample(special, 1)
+        rng.shuffle(ids)
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_hf_decode(tokenizer):
+    from loraplex.detokenizer import decoder_of
+
+    class CleaningUp:
+        _tokenizer = tokenizer._tokenizer
+        clean_up_tokenization_spaces = True
+        decode = tokenizer.decode
+
+    assert decoder_of(CleaningUp(), True).func == CleaningUp().decode

@@ -1,0 +1,106 @@
+"""Host time per decode step outside the forward, at N running sequences (issue goal: at most 1 ms at 256).
+
+    python benchmarks/step_host_time.py [--model-dir DIR] [--seqs 256] [--steps 30] [--adapters 8] [--profile]
+
+Runs the real engine on the calling thread with N sequences decoding at once (the demo model
+and its adapters unless --model-dir; greedy, ignore_eos, half of them with a stop string so
+the stop check runs) and splits each step into the forward (``model.forward`` + ``logits``:
+the part a GPU runs) and everything else the host does (inbox, schedule, step tensors,
+sampling, KV bookkeeping, detokenization, stop checks, outputs). ``--profile`` prints the
+top functions of the host share (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+
+def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_tokens: int,
+            profile: bool = False) -> dict:
+    """Per-step milliseconds: whole step, forward, host (= whole - forward)."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine import LLMEngine
+    from loraplex.request import SamplingParams
+
+    config = EngineConfig(model_dir=model_dir, max_num_seqs=seqs, max_num_batched_tokens=8192,
+                          adapter_store=str(Path(adapters[0]).parent) if adapters else "",
+                          max_loras=max(1, len(adapters)))
+    engine = LLMEngine(config)
+    model, spent = engine.runner.model, [0.0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return wrapper
+
+    model.forward, model.logits = timed(model.forward), timed(model.logits)
+    names = [Path(a).name for a in adapters]
+    text = "x" * (prompt_tokens - 1)
+    for i in range(seqs):
+        params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True,
+                                stop=["never-seen stop"] if i % 2 else [], lora_name=names[i % len(names)] if names else None)
+        engine.add_request(engine.make_request(f"r{i}", f"{i:04d}{text[4:]}", params))
+    while len(engine.scheduler.running) < seqs or engine.scheduler.waiting \
+            or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()  # prefill everything first
+    engine.step()
+    spent[0] = 0.0
+    profiler = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    if profiler:
+        profiler.disable()
+    wall = time.perf_counter() - t
+    assert len(engine.scheduler.running) == seqs, "a sequence finished early"
+    result = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * spent[0] / steps}
+    result["host_ms"] = result["step_ms"] - result["forward_ms"]
+    if profiler:
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(40)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", default=None, help="LLaMA-family checkpoint (default: the offline demo model)")
+    ap.add_argument("--adapters", type=int, default=2, help="demo adapters to spread the sequences over (0: base)")
+    ap.add_argument("--seqs", type=int, default=256, help="running sequences (default 256)")
+    ap.add_argument("--steps", type=int, default=30, help="decode steps timed (default 30)")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of each sequence (default 64)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")),
+                    help="torch intra-op threads (default 1)")
+    ap.add_argument("--profile", action="store_true", help="print the top host functions (cProfile)")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from loraplex.demo import build_demo
+
+    demo = build_demo()
+    model_dir = args.model_dir or str(demo["model"])
+    adapters = sorted(str(p) for p in Path(demo["adapters"]).iterdir() if p.is_dir())[: args.adapters]
+    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile)
+    print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
