@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -43,44 +45,29 @@ class ModelRunner:
             self.copy_blocks(batch)
         if not batch.seqs:
             return RunnerOutput([], [], [])
-        input_ids, positions, slot_mapping = [], [], []
-        cu, context_lens, sample_rows, sample_seqs = [0], [], [], []
-        bs = self.block_size
-        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
-            span = range(start, start + n)
-            positions += span
-            slot_mapping += [table[p // bs] * bs + p % bs for p in span]
-            cu.append(cu[-1] + n)
-            context_lens.append(start + n)
-            if start + n == len(seq.token_ids):
-                sample_rows.append(cu[-1] - 1)
-                sample_seqs.append(len(context_lens) - 1)
-        width = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
-        is_decode = cu[-1] == len(batch.seqs)
+        step = StepArrays.build(batch, self.block_size)
         attn = AttentionBatch(
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_query_lens=self._tensor(cu, torch.int32),
-            is_decode=is_decode,
+            positions=self._tensor(step.positions),
+            slot_mapping=self._tensor(step.slot_mapping),
+            block_tables=self._tensor(step.block_tables),
+            context_lens=self._tensor(step.context_lens),
+            cu_query_lens=self._tensor(step.cu),
+            is_decode=step.is_decode,
         )
-        lora = self._lora_batch(batch, cu, is_decode)
+        lora = self._lora_batch(batch, step.cu, step.is_decode)
+        sample_rows, sample_seqs = step.sample_rows.tolist(), step.sample_seqs.tolist()
         seqs = [batch.seqs[i] for i in sample_seqs]
         for j, (i, child) in enumerate(batch.forks):  # n > 1: the other samples share the parent's last row
-            sample_rows.append(cu[i + 1] - 1)
+            sample_rows.append(int(step.cu[i + 1]) - 1)
             sample_seqs.append(len(batch.seqs) + j)
             seqs.append(child)
         rows = len(batch.seqs) + len(batch.forks)
         out = RunnerOutput([None] * rows, [None] * rows, [None] * rows)
         with torch.inference_mode():
-            hidden = self.model.forward(self._tensor(input_ids, torch.int64), attn, self.kv_cache, lora)
+            hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
             if not sample_rows:
                 return out
-            logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
+            logits = self.model.logits(hidden[self._tensor(sample_rows)])
             finite = torch.isfinite(logits).all(dim=-1)
             if not bool(finite.all()):
                 logits = self._contain_non_finite(logits, finite, sample_seqs, out)
@@ -96,7 +83,7 @@ class ModelRunner:
             self.swap_out(batch.swap_out)
         if batch.copy_pairs:
             src, dst = zip(*batch.copy_pairs)
-            kernels.copy_blocks(self.kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+            kernels.copy_blocks(self.kv_cache, self._tensor(src), self._tensor(dst))
         if batch.swap_in:
             self.swap_in(batch.swap_in)
 
@@ -114,34 +101,78 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device KV blocks to host blocks: (device, host) pairs."""
         dev, host = zip(*pairs)
-        data = self.kv_cache.index_select(2, self._tensor(dev, torch.int64))
+        data = self.kv_cache.index_select(2, self._tensor(dev))
         self.host_cache.index_copy_(2, torch.tensor(host, dtype=torch.int64), data.to(self.host_cache.device))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host KV blocks back to device blocks: (host, device) pairs."""
         host, dev = zip(*pairs)
         data = self.host_cache.index_select(2, torch.tensor(host, dtype=torch.int64))
-        self.kv_cache.index_copy_(2, self._tensor(dev, torch.int64), data.to(self.device, non_blocking=True))
+        self.kv_cache.index_copy_(2, self._tensor(dev), data.to(self.device, non_blocking=True))
 
-    def _lora_batch(self, batch, cu, is_decode) -> LoraBatch | None:
+    def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool) -> LoraBatch | None:
         """Per-row slots for a decode step (one token per sequence), segments for a step with prefill."""
-        slots = [seq.adapter_slot for seq in batch.seqs]
-        if self.lora_slots is None or max(slots) < 0:
+        if self.lora_slots is None:
+            return None
+        slots = np.fromiter((seq.adapter_slot for seq in batch.seqs), np.int32, len(batch.seqs))
+        if slots.max() < 0:
             return None
         if is_decode:
-            return LoraBatch(self.lora_slots, self._tensor(slots, torch.int32), None, None, True)
-        seg_starts, seg_slots = [0], []
-        for b, slot in enumerate(slots):  # merge neighbours that share an adapter
-            if seg_slots and seg_slots[-1] == slot:
-                seg_starts[-1] = cu[b + 1]
-            else:
-                seg_slots.append(slot)
-                seg_starts.append(cu[b + 1])
-        seg_tensors = self._tensor(seg_starts, torch.int32), self._tensor(seg_slots, torch.int32)
-        return LoraBatch(self.lora_slots, None, *seg_tensors, False)
+            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
+        change = np.flatnonzero(slots[1:] != slots[:-1]) + 1  # neighbours that share an adapter are one segment
+        seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
+        seg_slots = slots[np.concatenate(([0], change))]
+        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
 
-    def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _tensor(self, values) -> torch.Tensor:
+        """A step array (numpy) or an id list (int64) as a tensor on the model's device."""
+        array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
+        return torch.from_numpy(array).to(self.device)
+
+
+@dataclass(slots=True)
+class StepArrays:
+    """One step's model inputs as numpy arrays, built without a Python loop per token."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [B, max blocks], padded with block 0
+    context_lens: np.ndarray  # int32 [B]
+    cu: np.ndarray  # int32 [B+1]: prefix sums of new tokens
+    sample_rows: np.ndarray  # int64: the row of each sequence whose last prompt/output token is in this step
+    sample_seqs: np.ndarray  # int64: those sequences' indices in the batch
+    is_decode: bool  # one new token per sequence
+
+    @classmethod
+    def build(cls, batch, block_size: int) -> "StepArrays":
+        """From a SchedulerOutput: each sequence's new tokens start at its num_computed_tokens."""
+        seqs, num = batch.seqs, len(batch.seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num)
+        counts = np.asarray(batch.num_new_tokens, np.int64)
+        cu = np.zeros(num + 1, np.int64)
+        np.cumsum(counts, out=cu[1:])
+        ends, total = starts + counts, int(cu[-1])
+        is_decode = total == num
+        if is_decode:
+            input_ids = np.fromiter((s.token_ids[p] for s, p in zip(seqs, starts.tolist())), np.int64, num)
+            positions, owner = starts, np.arange(num)
+        else:
+            input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in
+                                                        zip(seqs, starts.tolist(), ends.tolist())), np.int64, total)
+            owner = np.repeat(np.arange(num), counts)  # the sequence of each token
+            positions = np.arange(total) - (cu[:-1] - starts)[owner]
+        tables = batch.block_tables
+        lens = np.fromiter(map(len, tables), np.int64, num)
+        block_tables = np.zeros((num, int(lens.max())), np.int32)
+        flat = np.fromiter(chain.from_iterable(tables), np.int32, int(lens.sum()))
+        row = np.repeat(np.arange(num), lens)
+        block_tables[row, np.arange(flat.size) - (np.cumsum(lens) - lens)[row]] = flat
+        slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        done = ends == np.fromiter((len(s.token_ids) for s in seqs), np.int64, num)  # sampled this step
+        sample_seqs = np.flatnonzero(done)
+        return cls(input_ids, positions, slot_mapping, block_tables, ends.astype(np.int32), cu.astype(np.int32),
+                   cu[1:][sample_seqs] - 1, sample_seqs, is_decode)
 
 
 def allocate_host_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, and logprobs."""
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, and logprobs, vectorized over rows."""
 
 from __future__ import annotations
 
@@ -16,41 +16,73 @@ def make_generator(params: SamplingParams, index: int, device) -> torch.Generato
     return gen
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        beyond = probs.cumsum(-1) - probs > top_p  # keep the smallest set reaching top_p
-        logits = logits.clone()
-        logits[order[beyond]] = float("-inf")
-    return logits
+def _column(values: list, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _filter_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th kept); k <= 0 or >= V keeps all."""
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if min(ks) == vocab:
+        return logits
+    largest = torch.topk(logits, max(ks), dim=-1).values
+    kth = largest.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probability reaches top_p."""
+    if min(top_p) >= 1.0:
+        return logits
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    beyond = probs.cumsum(-1) - probs > _column(top_p, probs)
+    return logits.scatter(1, order, ordered.masked_fill(beyond, float("-inf")))
+
+
+def _uniforms(generators: list, like: torch.Tensor) -> torch.Tensor:
+    """One uniform draw per row: a seeded row draws from its own generator, so its samples
+    do not depend on which other rows share the batch; the others share one global draw."""
+    u = torch.rand(len(generators), device=like.device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            u[row] = torch.rand(1, generator=gen, device=gen.device)[0]
+    return u
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """One token id per row of logits [B, V] (fp32)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row_logits, dim=-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
-    return tokens
+    """One token id per row of logits [B, V] (fp32): argmax for greedy rows, else a draw from the
+    filtered distribution (temperature, top-k, top-p), all random rows at once (inverse CDF)."""
+    tokens = torch.argmax(logits, dim=-1)
+    rows = [r for r, p in enumerate(params) if not p.greedy]
+    if rows:
+        picked = [params[r] for r in rows]
+        chosen = logits[rows] / _column([p.temperature for p in picked], logits)
+        chosen = _filter_top_p(_filter_top_k(chosen, [p.top_k for p in picked]), [p.top_p for p in picked])
+        cdf = torch.softmax(chosen, dim=-1).cumsum(-1)
+        target = _uniforms([generators[r] for r in rows], cdf)[:, None] * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # right: never a p=0 token
+        tokens[rows] = drawn.squeeze(1)
+    return tokens.tolist()
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> tuple[list[float], list]:
-    """Log-probability of each chosen token, and the top-n candidates per row (n=0: none)."""
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-    tops = []
-    for row, n in enumerate(top_n):
-        if n is None:
-            tops.append(None)
-            continue
-        values, ids = torch.topk(logp[row], max(n, 0)) if n > 0 else (torch.empty(0), torch.empty(0, dtype=torch.long))
-        rank = int((logp[row] > logp[row, tokens[row]]).sum()) + 1
-        tops.append({"token": (tokens[row], chosen[row], rank), "top": list(zip(ids.tolist(), values.tolist()))})
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int | None]) -> tuple[list[float], list]:
+    """Log-probability of each chosen token, and the top-n candidates per row (None: not asked)."""
+    ids = torch.tensor(tokens, device=logits.device)[:, None]
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen_logits = logits.gather(1, ids)
+    chosen = (chosen_logits - norm).squeeze(1).tolist()
+    tops: list = [None] * len(tokens)
+    asked = [r for r, n in enumerate(top_n) if n is not None]
+    if asked:
+        most = max(top_n[r] for r in asked)
+        values, top_ids = torch.topk(logits[asked], most, dim=-1) if most > 0 else (None, None)
+        top_logp = (values - norm[asked]).tolist() if most > 0 else None
+        ranks = ((logits[asked] > chosen_logits[asked]).sum(-1) + 1).tolist()
+        top_ids = top_ids.tolist() if most > 0 else None
+        for j, r in enumerate(asked):
+            n = top_n[r]
+            top = list(zip(top_ids[j][:n], top_logp[j][:n])) if n > 0 else []
+            tops[r] = {"token": (tokens[r], chosen[r], ranks[j]), "top": top}
     return chosen, tops

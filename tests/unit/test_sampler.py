@@ -41,3 +41,34 @@ def test_logprobs_rank_and_top_candidates():
     assert (token_id, rank) == (2, 2)
     assert [t for t, _ in tops[0]["top"]] == [1, 2]
     assert token_logprobs(LOGITS, [1], [None])[1] == [None]
+
+
+def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
+    p, other = params(temperature=1.5, seed=11), params(temperature=1.0, top_k=3, top_p=0.9)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+
+    def draws(batch_rows):
+        gen, out = make_generator(p, 0, "cpu"), []
+        for _ in range(8):  # eight steps of one sequence
+            rows = [logits[0]] + [logits[r] for r in batch_rows]
+            out.append(sample(torch.stack(rows), [p] + [other] * len(batch_rows), [gen] + [None] * len(batch_rows))[0])
+        return out
+
+    alone = draws([])
+    assert draws([1, 2, 3]) == alone and draws([5]) == alone
+    assert len(set(alone)) > 1  # it does sample
+
+
+def test_rows_of_different_kinds_in_one_batch():
+    logits = LOGITS.repeat(4, 1)
+    kinds = [params(temperature=0), params(top_k=1, temperature=1.0), params(temperature=1.0, top_p=0.4),
+             params(temperature=1.0, top_k=2)]
+    for _ in range(30):
+        greedy, top1, top_p, top2 = sample(logits, kinds, [None] * 4)
+        assert (greedy, top1, top_p) == (1, 1, 1) and top2 in (1, 2)
+
+
+def test_a_zero_probability_token_is_never_drawn():
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0]])
+    p = params(temperature=1.0)
+    assert {sample(logits, [p], [None])[0] for _ in range(200)} == {1, 3}
