@@ -68,9 +68,8 @@ class ModelRunner:
             if not sample_rows:
                 return out
             logits = self.model.logits(hidden[self._tensor(sample_rows)])
-            finite = torch.isfinite(logits).all(dim=-1)
-            if not bool(finite.all()):
-                logits = self._contain_non_finite(logits, finite, sample_seqs, out)
+            if not bool(torch.isfinite(logits.sum())):  # one reduction; a NaN or inf anywhere shows in the sum
+                logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, out)
             tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
             chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
         for j, i in enumerate(sample_seqs):

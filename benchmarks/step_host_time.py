@@ -34,44 +34,55 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
                           adapter_store=str(Path(adapters[0]).parent) if adapters else "",
                           max_loras=max(1, len(adapters)))
     engine = LLMEngine(config)
-    model, spent = engine.runner.model, [0.0]
+    model, spent = engine.runner.model, dict.fromkeys(("forward", "runner", "schedule", "update", "outputs"), 0.0)
 
-    def timed(fn):
+    def timed(fn, part):
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - t
+                spent[part] += time.perf_counter() - t
         return wrapper
 
-    model.forward, model.logits = timed(model.forward), timed(model.logits)
+    model.forward, model.logits = timed(model.forward, "forward"), timed(model.logits, "forward")
+    engine.runner.execute = timed(engine.runner.execute, "runner")
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
+    engine.scheduler.update = timed(engine.scheduler.update, "update")
+    engine._outputs = timed(engine._outputs, "outputs")
     names = [Path(a).name for a in adapters]
     text = "x" * (prompt_tokens - 1)
     for i in range(seqs):
         params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True,
                                 stop=["never-seen stop"] if i % 2 else [], lora_name=names[i % len(names)] if names else None)
         engine.add_request(engine.make_request(f"r{i}", f"{i:04d}{text[4:]}", params))
+    def step() -> None:
+        failed = [out.error for out in engine.step() if out.error is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
+
     while len(engine.scheduler.running) < seqs or engine.scheduler.waiting \
             or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()  # prefill everything first
-    engine.step()
-    spent[0] = 0.0
+        step()  # prefill everything first
+    step()
+    spent.update(dict.fromkeys(spent, 0.0))
     profiler = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if profiler:
         profiler.enable()
     for _ in range(steps):
-        engine.step()
+        step()
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - t
     assert len(engine.scheduler.running) == seqs, "a sequence finished early"
-    result = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * spent[0] / steps}
+    result = {f"{part}_ms": 1e3 * t / steps for part, t in spent.items()}
+    result["runner_ms"] -= result["forward_ms"]  # the runner's own host work: step inputs, sampling
+    result["step_ms"] = 1e3 * wall / steps
     result["host_ms"] = result["step_ms"] - result["forward_ms"]
     if profiler:
         stats = pstats.Stats(profiler)
-        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(70)
     return result
 
 
@@ -99,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
           f"torch threads {torch.get_num_threads()}")
     print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms")
+    rest = r["host_ms"] - sum(r[f"{p}_ms"] for p in ("runner", "schedule", "update", "outputs"))
+    print(f"  host: schedule {r['schedule_ms']:.2f}, runner inputs + sampling {r['runner_ms']:.2f}, "
+          f"update (tokens, detokenize, stops) {r['update_ms']:.2f}, outputs {r['outputs_ms']:.2f}, rest {rest:.2f} ms")
     return 0
 
 

@@ -31,7 +31,35 @@ import torch
 # ---------------------------------------------------------------------------------------------
 
 
+class _PerStepMemo:
+    """Results derived from one step's slot tensor, reused by every layer and module of that step.
+
+    Keyed by the tensor's identity and version (it holds the tensor, so the identity cannot be
+    reused while cached; inference tensors have no version, and the runner never changes a
+    step's slots) and by the values of the other inputs; a new tensor starts afresh.
+    """
+
+    def __init__(self):
+        self.tensor, self.version, self.results = None, None, {}
+
+    def get(self, tensor, key, compute):
+        version = None if tensor.is_inference() else tensor._version  # inference tensors keep no version
+        if tensor is not self.tensor or version != self.version:
+            self.tensor, self.version, self.results = tensor, version, {}
+        if key not in self.results:
+            self.results[key] = compute()
+        return self.results[key]
+
+
+_TILES, _SEGMENT_SLOTS = _PerStepMemo(), _PerStepMemo()
+
+
 def _adapter_tiles(token_slots, ranks):
+    """``_find_adapter_tiles`` once per step and rank layout: 7 modules x 2 ops x layers ask the same."""
+    return _TILES.get(token_slots, tuple(ranks.tolist()), lambda: _find_adapter_tiles(token_slots, ranks))
+
+
+def _find_adapter_tiles(token_slots, ranks):
     """The rows that use an adapter, as tiles of rows of one slot, grouped by rank.
 
     Returns [(rank, tile_slots int64 [n], tile_rows int64 [n, size])], one entry per distinct
@@ -117,14 +145,20 @@ def _segment_token_slots(seg_starts, seg_slots, num_rows):
     return torch.where(inside, seg_slots.long()[seg.clamp(0, num_segs - 1)], -1)
 
 
+def _step_token_slots(seg_starts, seg_slots, num_rows):
+    """_segment_token_slots once per step: the same tensor each time, so the tiles memo hits too."""
+    key = (seg_slots.data_ptr(), num_rows)
+    return _SEGMENT_SLOTS.get(seg_starts, key, lambda: _segment_token_slots(seg_starts, seg_slots, num_rows))
+
+
 def lora_shrink_sgmv(x, a_stack, seg_starts, seg_slots, ranks):
     """Segmented shrink: like lora_shrink_bgmv with one adapter per contiguous segment."""
-    return lora_shrink_bgmv(x, a_stack, _segment_token_slots(seg_starts, seg_slots, x.shape[0]), ranks)
+    return lora_shrink_bgmv(x, a_stack, _step_token_slots(seg_starts, seg_slots, x.shape[0]), ranks)
 
 
 def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
     """Segmented expand, in place: y[seg] += scale * v[seg, :rank] @ B[slot, :, :rank].T."""
-    token_slots = _segment_token_slots(seg_starts, seg_slots, v.shape[0])
+    token_slots = _step_token_slots(seg_starts, seg_slots, v.shape[0])
     return lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales)
 
 
