@@ -18,6 +18,7 @@ from .kv_cache.manager import KVCacheManager
 from .lora.adapter import AdapterError
 from .lora.catalog import AdapterCatalog, AdapterVersions
 from .lora.manager import AdapterManager, AdapterNotFound
+from .lora.preloader import AdapterPreloader
 from .lora.shapes import module_shapes
 from .lora.slots import LoraSlots
 from .lora.store import AdapterStore
@@ -83,6 +84,9 @@ class LLMEngine:
         for name, path in self.catalog.shared.items():
             self.adapters.register(name, path)
         self.versions = AdapterVersions(self.adapters, max_idle=config.max_cpu_loras)
+        self.preloader = AdapterPreloader(self.adapters.read, self._preloaded)
+        self._loading: dict[str, Request] = {}  # request id -> request whose adapter the preloader reads
+        self._cancelled_loading: set[str] = set()  # aborted while their adapter was being read
         self.quotas = TenantQuotas()
         self.tenant_labels = TenantLabels(config.max_metric_tenants)
         self.num_host_blocks = self._num_host_blocks()
@@ -202,6 +206,28 @@ class LLMEngine:
                 )
             self.quotas.accept(request)
             self._num_accepted += 1
+            folder = self._cold_adapter(request)
+            if folder is None:
+                self._inbox.append(("add", request))
+            else:
+                self._loading[request.request_id] = request
+        if folder is not None:
+            self.preloader.submit(request, request.adapter_key, folder)  # the loop steps on meanwhile
+        self._wake.set()
+
+    def _cold_adapter(self, request: Request) -> str | None:
+        """The folder to read off the loop thread for the request's adapter (None: none, already in memory,
+        or no loop thread: a caller that steps the engine itself reads at admission, step counts stay exact)."""
+        if not request.adapter_key or self._thread is None:
+            return None
+        return self.adapters.needs_read(request.adapter_key, request.adapter_path)
+
+    def _preloaded(self, request: Request, preloaded) -> None:
+        """The preloader's worker read the request's adapter (None: the read failed): queue the request."""
+        request.preloaded = preloaded
+        with self._accept_lock:
+            if self._loading.pop(request.request_id, None) is None:
+                return  # shut down meanwhile: it has had its final output
             self._inbox.append(("add", request))
         self._wake.set()
 
@@ -211,7 +237,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it ends with a CANCELLED final output and frees its blocks next step."""
-        self._inbox.append(("abort", request_id))
+        with self._accept_lock:
+            if request_id in self._loading:  # its add is not in the inbox yet: the abort would overtake it
+                self._cancelled_loading.add(request_id)
+                return
+            self._inbox.append(("abort", request_id))
         self._wake.set()
 
     # ---- loop thread -----------------------------------------------------------------
@@ -268,7 +298,11 @@ class LLMEngine:
         return result
 
     def has_work(self) -> bool:
-        """Anything queued, waiting or running."""
+        """Anything queued, waiting or running, or a request waiting for its adapter to be read."""
+        return self._runnable() or bool(self._loading)
+
+    def _runnable(self) -> bool:
+        """Anything a step can do now."""
         return bool(self._inbox) or self.scheduler.has_work()
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -285,6 +319,9 @@ class LLMEngine:
         return outputs
 
     def _admit_request(self, request: Request) -> list[RequestOutput]:
+        if request.request_id in self._cancelled_loading:
+            self._cancelled_loading.discard(request.request_id)
+            return [self._error_output(request, RequestCancelled("Request was cancelled"), "abort")]
         try:
             seqs = self._new_sequences(request)
         except Exception as exc:  # noqa: BLE001 - e.g. its adapter broke on disk since validation
@@ -301,6 +338,9 @@ class LLMEngine:
         if request.adapter_path is not None:
             self.versions.use(request)  # an uploaded version: registered while requests use it
             request.holds_version = True
+        if request.preloaded is not None:
+            preloaded, request.preloaded = request.preloaded, None
+            self.adapters.adopt(request.adapter_key, preloaded)
         if request.adapter_key:
             self.adapters.refresh(request.adapter_key)  # changed or deleted on disk: new requests see it
             request.adapter_digest = self.adapters.digest(request.adapter_key)
@@ -417,7 +457,7 @@ class LLMEngine:
     def _serve(self) -> None:
         """Step while there is work, sleep on an event otherwise."""
         while not self._stopping:
-            if not self.has_work():
+            if not self._runnable():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -451,13 +491,15 @@ class LLMEngine:
             self._closed = True
         with self._shutdown_lock:  # the unload watch and finalize() may both call it
             self.stop(timeout=30.0)
+            self.preloader.close()  # reads in flight deliver their requests to the inbox, drained below
             error = EngineShuttingDown("the model is shutting down; the request did not finish")
             outputs = self._fail_held(error)
-            while self._inbox:
-                kind, item = self._inbox.popleft()
-                if kind == "add":
-                    outputs.append(self._error_output(item, error))
-            return outputs
+            with self._accept_lock:  # with the preloader's hand-over: each request is ended here once
+                queued = [item for kind, item in self._inbox if kind == "add"]
+                self._inbox.clear()
+                queued += self._loading.values()  # reads that outlived close()
+                self._loading = {}
+            return outputs + [self._error_output(request, error) for request in queued]
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -479,6 +521,10 @@ class LLMEngine:
         for _ in range(max_steps):
             if not self.has_work():
                 break
+            if not self._runnable():  # only adapter reads pending
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
             for out in self.step():
                 collected.setdefault(out.request_id, []).append(out)
         return collected

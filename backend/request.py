@@ -238,6 +238,7 @@ class Request:
     metric_label: str = "default"  # the tenant as metrics show it (bounded cardinality)
     queued: bool = False  # counted in its tenant's max_queued_requests (accepted, not yet started)
     holds_version: bool = False  # counted as a user of its uploaded adapter version (AdapterVersions)
+    preloaded: Any = None  # its adapter read off the loop thread (AdapterPreloader), until admission adopts it
 
 
 @dataclass(slots=True, eq=False)

@@ -13,8 +13,9 @@ A device copy replaced (or unregistered) while pinned is retired: it keeps its s
 the sequences still using it and frees the slot when the last of them releases it.
 
 Thread-safety: none. Every call comes from the engine loop thread (the Triton threads hand
-their requests to that loop), so there are no locks; do not call from other threads. Disk
-loads run on the calling thread.
+their requests to that loop), so there are no locks, with two exceptions that change no
+state: ``read`` (a disk read, for the preloader's worker thread) and ``needs_read`` (a racy
+hint: at worst an adapter is read twice, or read on the loop thread as a fallback).
 """
 
 from __future__ import annotations
@@ -119,6 +120,35 @@ class AdapterManager:
             return rec.digest
         return self._host_get(name).digest
 
+    # reading off the loop thread --------------------------------------------------------
+
+    def needs_read(self, name: str, folder: str | None = None) -> str | None:
+        """The folder acquiring ``name`` would read now (in neither host memory nor a current slot), else None.
+
+        ``folder`` is for a name not registered yet (an uploaded version, registered at admission).
+        """
+        path, rec = folder or self._paths.get(name), self._resident.get(name)
+        if path is None or self.max_cpu_loras == 0 or name in self._host or (rec is not None and not rec.stale):
+            return None
+        return str(path)
+
+    def read(self, name: str, folder: str) -> tuple[str, tuple | None, LoraAdapter]:
+        """Read and validate an adapter folder (any thread): (the folder, its files' signature, the adapter)."""
+        signature = files_signature(Path(folder))  # before reading: a change while reading shows at adopt
+        return folder, signature, load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+
+    def adopt(self, name: str, preloaded: tuple[str, tuple | None, LoraAdapter]) -> None:
+        """Put an adapter ``read`` off the loop thread into the host tier, if it is still what ``name`` serves."""
+        folder, signature, adapter = preloaded
+        path = self._paths.get(name)
+        if path is None or path != Path(folder) or name in self._host or signature is None:
+            return
+        if files_signature(path) != signature:
+            return  # changed since it was read: acquire reads it again
+        self._signatures[name] = signature
+        self.loads_from_disk += 1
+        self._keep_on_host(name, adapter)
+
     # device slots ---------------------------------------------------------------------
 
     def acquire(self, name: str) -> int | None:
@@ -220,16 +250,18 @@ class AdapterManager:
         if adapter is not None:
             self._host.move_to_end(name)
             return adapter
-        signature = files_signature(self._paths[name])  # before reading: a change while reading shows next time
-        adapter = load_peft_adapter(self._paths[name], name, self.hf_config, self.max_lora_rank, self.dtype)
+        _, signature, adapter = self.read(name, str(self._paths[name]))
         self._signatures[name] = signature
         self.loads_from_disk += 1
+        self._keep_on_host(name, adapter)
+        return adapter
+
+    def _keep_on_host(self, name: str, adapter: LoraAdapter) -> None:
         if self.max_cpu_loras > 0:
             self._host[name] = adapter
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
                 self.host_evictions += 1
-        return adapter
 
     def _slot_available(self) -> bool:
         return bool(self._free) or any(r.pins == 0 for r in self._resident.values())
