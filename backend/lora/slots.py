@@ -39,20 +39,22 @@ class LoraSlots:
         self.device = torch.device(device)
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        self.ranks: list[dict[str, torch.Tensor]] = []
-        self.scales: list[dict[str, torch.Tensor]] = []
+        # ranks and scales of every layer and module in one tensor each: a slot's are set in one copy
+        self._ranks = torch.zeros(num_layers, len(MODULES), max_loras, dtype=torch.int32, device=self.device)
+        self._scales = torch.zeros(num_layers, len(MODULES), max_loras, dtype=torch.float32, device=self.device)
+        self.ranks = [{m: self._ranks[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
+        self.scales = [{m: self._scales[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
         for _ in range(num_layers):
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
                            for m, (i, _o) in self.shapes.items()})
             self.b.append({m: torch.zeros(max_loras, o, max_rank, dtype=dtype, device=self.device)
                            for m, (_i, o) in self.shapes.items()})
-            self.ranks.append({m: torch.zeros(max_loras, dtype=torch.int32, device=self.device)
-                               for m in MODULES})
-            self.scales.append({m: torch.zeros(max_loras, dtype=torch.float32, device=self.device)
-                                for m in MODULES})
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Write an adapter into a slot, replacing (and zeroing) whatever the slot held."""
+        """Write an adapter into a slot, replacing (and zeroing) whatever the slot held.
+
+        On a GPU the weights cross to the device as one transfer, ranks and scales as one each.
+        """
         self._check_slot(slot)
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > slot max_rank {self.max_rank}")
@@ -67,12 +69,31 @@ class LoraSlots:
                     f"do not fit [r, {in_f}] / [{out_f}, r]"
                 )
         self.clear(slot)
-        for (layer, module), (a, b, scale) in adapter.weights.items():
+        ranks = torch.zeros(self.num_layers, len(MODULES), dtype=torch.int32)
+        scales = torch.zeros(self.num_layers, len(MODULES), dtype=torch.float32)
+        for ((layer, module), (_a, _b, scale)), (a, b) in zip(adapter.weights.items(), self._on_device(adapter)):
             r = a.shape[0]
             self.a[layer][module][slot, :r].copy_(a)
             self.b[layer][module][slot, :, :r].copy_(b)
-            self.ranks[layer][module][slot] = r
-            self.scales[layer][module][slot] = scale
+            ranks[layer, MODULES.index(module)] = r
+            scales[layer, MODULES.index(module)] = scale
+        self._ranks[:, :, slot].copy_(ranks)
+        self._scales[:, :, slot].copy_(scales)
+
+    def _on_device(self, adapter: LoraAdapter):
+        """The adapter's (A, B) pairs on the slots' device: on CUDA through one packed host-to-device copy."""
+        pairs = [(a, b) for a, b, _ in adapter.weights.values()]
+        if self.device.type != "cuda" or not pairs:
+            return pairs
+        flat = torch.cat([t.reshape(-1).to(self.dtype) for pair in pairs for t in pair])
+        flat = flat.pin_memory().to(self.device, non_blocking=True)
+        out, offset = [], 0
+        for a, b in pairs:
+            a_dev = flat[offset:offset + a.numel()].view(a.shape)
+            offset += a.numel()
+            out.append((a_dev, flat[offset:offset + b.numel()].view(b.shape)))
+            offset += b.numel()
+        return out
 
     def clear(self, slot: int) -> None:
         """Zero a slot's weights, ranks and scales (the base model for tokens that still point at it)."""
@@ -81,16 +102,13 @@ class LoraSlots:
             for m in MODULES:
                 self.a[layer][m][slot].zero_()
                 self.b[layer][m][slot].zero_()
-                self.ranks[layer][m][slot] = 0
-                self.scales[layer][m][slot] = 0.0
+        self._ranks[:, :, slot] = 0
+        self._scales[:, :, slot] = 0.0
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""
-        total = 0
-        for layer in range(self.num_layers):
-            for table in (self.a, self.b, self.ranks, self.scales):
-                total += sum(t.nbytes for t in table[layer].values())
-        return total
+        weights = sum(t.nbytes for table in (self.a, self.b) for layer in table for t in layer.values())
+        return weights + self._ranks.nbytes + self._scales.nbytes
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:
