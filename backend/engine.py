@@ -498,7 +498,7 @@ class LLMEngine:
                 queued = [item for kind, item in self._inbox if kind == "add"]
                 self._inbox.clear()
                 queued += self._loading.values()  # reads that outlived close()
-                self._loading = {}
+                self._loading, self._cancelled_loading = {}, set()
             return outputs + [self._error_output(request, error) for request in queued]
 
     def start(self) -> None:
