@@ -5,7 +5,13 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+try:
+    from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+except ImportError:  # pragma: no cover - older tokenizers: the window path serves alone
+    DecodeStream = None
+
 REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5  # tokens before the new ones decoded with them, so leading-space rules see context
 
 
 def decoder_of(tokenizer, skip_special: bool) -> Callable[[list[int]], str]:
@@ -20,21 +26,41 @@ def decoder_of(tokenizer, skip_special: bool) -> Callable[[list[int]], str]:
     return functools.partial(backend.decode, skip_special_tokens=skip_special)
 
 
+def stream_of(tokenizer, skip_special: bool):
+    """(backend, DecodeStream) for a tokenizer whose decode is its backend's, else None.
+
+    The Rust ``DecodeStream`` turns one new token into its text in one call (about 1.7 us),
+    holding back an incomplete UTF-8 sequence, where the window path decodes twice.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend, DecodeStream(skip_special_tokens=skip_special)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decodes a small window (prefix_offset..end) and emits what the newest tokens add to the
-    window's text, holding back text that ends in an incomplete UTF-8 sequence (decoded as
-    U+FFFD) until the next token completes it, as vLLM does.
+    A fast tokenizer steps a Rust ``DecodeStream``, primed with the prompt's last tokens.
+    Otherwise (and for the final flush) it decodes a small window (prefix_offset..end) and
+    emits what the newest tokens add to the window's text. Either way text that ends in an
+    incomplete UTF-8 sequence is held back until the next token completes it, as vLLM does.
     """
 
-    __slots__ = ("_decode", "prefix_offset", "read_offset", "text", "stops", "hold", "stopped")
+    __slots__ = ("_decode", "_stream", "_fed", "prefix_offset", "read_offset", "text", "stops", "hold", "stopped")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], skip_special: bool = True):
         self._decode = decoder_of(tokenizer, skip_special)
-        # Start the window a few prompt tokens back so leading-space rules see context.
-        self.prefix_offset = max(len(prompt_ids) - 5, 0)
-        self.read_offset = len(prompt_ids)
+        self.prefix_offset = max(len(prompt_ids) - CONTEXT_TOKENS, 0)
+        self.read_offset = len(prompt_ids)  # tokens before it have given their text
+        self._stream = stream_of(tokenizer, skip_special)
+        self._fed = len(prompt_ids)  # tokens the stream has seen
+        if self._stream is not None and self._decode(prompt_ids[self.prefix_offset:]).endswith(REPLACEMENT):
+            self._stream = None  # a prompt cut inside a character: the stream would give its bytes to the output
+        if self._stream is not None:
+            backend, stream = self._stream
+            for token in prompt_ids[self.prefix_offset:]:
+                stream.step(backend, token)  # context only: its text is the prompt's
         self.text = ""  # output text so far (stop string excluded once matched)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop
@@ -42,6 +68,8 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int], final: bool = False) -> str | None:
         """Account for the newest token(s); returns the matched stop string, if any."""
+        if self._stream is not None and not final:
+            return self._step_stream(token_ids)
         prefix_text = self._decode(token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
@@ -49,6 +77,22 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return self._match_stop(start)
+
+    def _step_stream(self, token_ids: list[int]) -> str | None:
+        backend, stream = self._stream
+        pieces, done = [], self.read_offset
+        for i in range(self._fed, len(token_ids)):
+            piece = stream.step(backend, token_ids[i])
+            if piece:
+                pieces.append(piece)
+                done = i + 1
+        self._fed = len(token_ids)
+        if not pieces:
+            return None
+        start = len(self.text)
+        self.text += "".join(pieces)
+        self.prefix_offset, self.read_offset = self.read_offset, done  # the window flush() decodes from
         return self._match_stop(start)
 
     def _match_stop(self, start: int) -> str | None:

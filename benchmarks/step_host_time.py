@@ -82,7 +82,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     result["host_ms"] = result["step_ms"] - result["forward_ms"]
     if profiler:
         stats = pstats.Stats(profiler)
-        stats.sort_stats("cumulative").print_stats(70)
+        stats.sort_stats("tottime").print_stats(45)
     return result
 
 

@@ -173,10 +173,14 @@ def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_f
     engine.add_request(detok)
     outputs = run(engine, {}, steps=2)  # prefilled and forked
 
-    def broken_decode(ids):
+    def broken_decode(*args):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer failure")
 
-    engine._requests["detok"][1].detok._decode = broken_decode  # sample 1 of the n=2 request
+    class BrokenStream:
+        step = staticmethod(broken_decode)
+
+    detok = engine._requests["detok"][1].detok  # sample 1 of the n=2 request
+    detok._decode, detok._stream = broken_decode, (None, BrokenStream())
     run(engine, outputs)
     assert_failed_once(outputs, "lookup", "planted prefix lookup failure")
     assert_failed_once(outputs, "detok", "planted detokenizer failure")

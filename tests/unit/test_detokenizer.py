@@ -2,7 +2,7 @@
 
 import pytest
 
-from loraplex.detokenizer import IncrementalDetokenizer
+from loraplex.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,50 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_hf_decode(tokenizer):
         decode = tokenizer.decode
 
     assert decoder_of(CleaningUp(), True).func == CleaningUp().decode
+
+
+def _deltas(tokenizer, prompt, out, stream: bool):
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    if not stream:
+        detok._stream = None
+    ids, pieces = list(prompt), []
+    for t in out:
+        ids.append(t)
+        before = len(detok.text)
+        detok.update(ids)
+        pieces.append(detok.text[before:])
+    before = len(detok.text)
+    detok.flush(ids)
+    return pieces + [detok.text[before:]]
+
+
+@pytest.mark.parametrize("model", ["demo", "smollm2"])
+def test_the_decode_stream_gives_the_window_paths_deltas(tokenizer, model):
+    import random
+    from pathlib import Path
+
+    from loraplex.detokenizer import stream_of
+
+    if model == "smollm2":
+        from transformers import AutoTokenizer
+
+        folder = Path(__file__).resolve().parents[2] / ".cache" / "smollm2" / "model"
+        if not folder.is_dir():
+            pytest.skip("SmolLM2 is not converted here (make smollm2)")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert stream_of(tokenizer, True) is not None
+    rng = random.Random(1)
+    texts = ["héllo wörld", "emoji 🎉🚀 and 日本語", " leading space", "The capital of France is Paris."]
+    for text in texts:
+        prompt = tokenizer("Say:").input_ids
+        out = tokenizer(text, add_special_tokens=False).input_ids
+        assert _deltas(tokenizer, prompt, out, True) == _deltas(tokenizer, prompt, out, False)
+        assert "".join(_deltas(tokenizer, prompt, out, True)) == tokenizer.decode(out, skip_special_tokens=True)
+    def valid(text):  # malformed bytes: how many U+FFFD they become differs between decoders (and paths)
+        return text.replace(REPLACEMENT, "")
+
+    for _ in range(100):  # random ids: byte-level decoding needs no context, so the deltas add up to the whole
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 8))]
+        out = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 16))]
+        whole = tokenizer.decode(out, skip_special_tokens=True)
+        assert valid("".join(_deltas(tokenizer, prompt, out, True))) == valid(whole)
