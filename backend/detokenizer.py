@@ -14,16 +14,19 @@ REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5  # tokens before the new ones decoded with them, so leading-space rules see context
 
 
+def _plain_backend(tokenizer):
+    """A fast tokenizer's Rust backend when HF's decode adds nothing to it (no space clean-up), else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
+
+
 def decoder_of(tokenizer, skip_special: bool) -> Callable[[list[int]], str]:
     """``tokenizer.decode`` as one call: the Rust backend's own decode where that is all HF's does.
 
-    A fast tokenizer without space clean-up decodes exactly as its backend; HF's wrapper around
-    it costs about 4x the decode itself (argument conversion, kwargs), twice per sequence per step.
+    HF's wrapper around it costs about 4x the decode itself (argument conversion, kwargs).
     """
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return functools.partial(tokenizer.decode, skip_special_tokens=skip_special)
-    return functools.partial(backend.decode, skip_special_tokens=skip_special)
+    backend = _plain_backend(tokenizer)
+    return functools.partial(tokenizer.decode if backend is None else backend.decode, skip_special_tokens=skip_special)
 
 
 def stream_of(tokenizer, skip_special: bool):
@@ -32,10 +35,8 @@ def stream_of(tokenizer, skip_special: bool):
     The Rust ``DecodeStream`` turns one new token into its text in one call (about 1.7 us),
     holding back an incomplete UTF-8 sequence, where the window path decodes twice.
     """
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    return backend, DecodeStream(skip_special_tokens=skip_special)
+    backend = _plain_backend(tokenizer)
+    return None if DecodeStream is None or backend is None else (backend, DecodeStream(skip_special_tokens=skip_special))
 
 
 class IncrementalDetokenizer:

@@ -76,13 +76,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int | No
     tops: list = [None] * len(tokens)
     asked = [r for r, n in enumerate(top_n) if n is not None]
     if asked:
-        most = max(top_n[r] for r in asked)
-        values, top_ids = torch.topk(logits[asked], most, dim=-1) if most > 0 else (None, None)
-        top_logp = (values - norm[asked]).tolist() if most > 0 else None
+        values, top_ids = torch.topk(logits[asked], max(top_n[r] for r in asked), dim=-1)  # k = 0: empty
+        top_logp, top_ids = (values - norm[asked]).tolist(), top_ids.tolist()
         ranks = ((logits[asked] > chosen_logits[asked]).sum(-1) + 1).tolist()
-        top_ids = top_ids.tolist() if most > 0 else None
         for j, r in enumerate(asked):
-            n = top_n[r]
-            top = list(zip(top_ids[j][:n], top_logp[j][:n])) if n > 0 else []
+            top = list(zip(top_ids[j][: top_n[r]], top_logp[j][: top_n[r]]))
             tops[r] = {"token": (tokens[r], chosen[r], ranks[j]), "top": top}
     return chosen, tops

@@ -14,18 +14,9 @@ def tokenizer(demo):
 
 @pytest.mark.parametrize("text", ["héllo wörld", "emoji 🎉🚀 and 日本語", "plain ascii"])
 def test_deltas_never_split_a_character_and_concatenate_to_the_full_text(tokenizer, text):
-    prompt = tokenizer("x").input_ids
-    out = tokenizer(text, add_special_tokens=False).input_ids
-    detok = IncrementalDetokenizer(tokenizer, prompt, [])
-    ids, pieces = list(prompt), []
-    for t in out:
-        ids.append(t)
-        before = len(detok.text)
-        detok.update(ids)
-        pieces.append(detok.text[before:])
-    detok.flush(ids)
+    pieces = _deltas(tokenizer, tokenizer("x").input_ids, tokenizer(text, add_special_tokens=False).input_ids, True)
     assert "\ufffd" not in "".join(pieces)
-    assert detok.text == text
+    assert "".join(pieces) == text
 
 
 def test_stop_string_truncates_and_is_held_back(tokenizer):
