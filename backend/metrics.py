@@ -6,6 +6,21 @@ import threading
 
 OTHER_TENANTS = "other"
 
+# Every metric family the lora_llm model exports on Triton's metrics port, by the name Prometheus
+# sees (a histogram by its base name; the port shows it as _bucket, _sum and _count). The Grafana
+# dashboard and the alert rules in deploy/ may query only these (tests/deploy checks it).
+EXPORTED_METRICS = frozenset(f"loraplex_{name}" for name in (
+    "requests_running", "requests_waiting",
+    "prompt_tokens_total", "generation_tokens_total",
+    "request_success_total", "request_failure_total", "request_finished_total",
+    "time_to_first_token_seconds", "time_per_output_token_seconds",
+    "e2e_request_latency_seconds", "queue_time_seconds",
+    "kv_cache_blocks", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total",
+    "adapters_resident", "adapter_loads_total", "adapter_evictions_total", "adapter_uploads_total",
+    "adapter_pins", "preemptions_total", "admission_cap", "num_sequences",
+    "batch_sequences", "batch_tokens", "step_host_seconds",
+))
+
 
 class TenantLabels:
     """Bounded tenant label values: authenticated tenants (a tenants file) keep their names; in
