@@ -13,6 +13,7 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .engine_stats import EngineStats
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
 from .lora.adapter import AdapterError
@@ -110,6 +111,8 @@ class LLMEngine:
         self.num_steps = 0
         self.generated_tokens: dict[str, int] = {}  # per tenant label (metrics)
         self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant label, finish reason)
+        self.stats = EngineStats()  # request and step metrics (counters, latency observations)
+        self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
                  config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
@@ -206,6 +209,7 @@ class LLMEngine:
                 )
             self.quotas.accept(request)
             self._num_accepted += 1
+            self.stats.accept(request)
             folder = self._cold_adapter(request)
             if folder is None:
                 self._inbox.append(("add", request))
@@ -252,14 +256,19 @@ class LLMEngine:
         pass is retried alone and then failed; a batch whose forward fails without
         newcomers fails its own requests; a row the sampler cannot use fails its request.
         """
+        start = time.perf_counter()
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        self._step_time = now = time.monotonic()
         for seq in batch.admitted:
             self.quotas.started(seq.request)
+            if seq.request.scheduled_time is None:
+                self.stats.start(seq.request, now)
         if batch.finished:
             outputs += self._outputs(batch.finished)
         if batch.empty:
             return outputs
+        forward_start = time.perf_counter()
         try:
             result = self._forward(batch, outputs)
         except Exception as exc:  # noqa: BLE001 - no newcomer to blame: the batch's own requests fail
@@ -269,12 +278,16 @@ class LLMEngine:
             return outputs
         if result is None:
             return outputs
+        forward_end = time.perf_counter()
+        self._step_time = time.monotonic()
         for row, exc in result.errors.items():
             seq = batch.seqs[row] if row < len(batch.seqs) else batch.forks[row - len(batch.seqs)][1]
             outputs += self._fail_request(seq.request, exc)
         changed = self.scheduler.update(batch, result)
         self.num_steps += 1
         outputs += self._outputs(changed)
+        self.stats.step(len(batch.seqs), sum(batch.num_new_tokens),
+                        time.perf_counter() - start - (forward_end - forward_start))
         return outputs
 
     def _forward(self, batch, outputs: list[RequestOutput]):
@@ -372,8 +385,14 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
-        label = seq.request.metric_label
+        request = seq.request
+        label = request.metric_label
         self.generated_tokens[label] = self.generated_tokens.get(label, 0) + len(new_ids)
+        if new_ids and request.last_token_time != self._step_time:  # once per step per request (n > 1)
+            if request.first_token_time is None:
+                self.stats.first_token(request, self._step_time)
+            request.last_token_time = self._step_time
+            request.token_steps += 1
         self.quotas.served(seq.request, len(new_ids))
         output = RequestOutput(
             request_id=seq.request.request_id,
@@ -426,20 +445,23 @@ class LLMEngine:
 
     def _error_output(self, request: Request, exc: Exception, reason: str = "error") -> RequestOutput:
         """The one final output of a request that ends in an error."""
-        self._ended(request, reason)
+        self._ended(request, reason, exc)
         return RequestOutput(request.request_id, 0, "", [], True, finish_reason=reason, error=exc)
 
-    def _ended(self, request: Request, reason: str) -> None:
+    def _ended(self, request: Request, reason: str, exc: Exception | None = None) -> None:
         """Once per request, however it ended: count it, return its quota and adapter-version uses."""
         key = (request.metric_label, reason)
         self.finished_requests[key] = self.finished_requests.get(key, 0) + 1
+        self.stats.end(request, reason, exc, time.monotonic())
         self.quotas.started(request)  # never started: it no longer counts as queued
         if request.holds_version:
             request.holds_version = False
             self.versions.done(request)
 
     def _all_finished(self, seq: Sequence) -> bool:
-        return all(s.status is SeqStatus.FINISHED for s in self._requests.get(seq.request.request_id, []))
+        """Whether the request is still held and every sample of it has finished (False once it has ended)."""
+        seqs = self._requests.get(seq.request.request_id)
+        return seqs is not None and all(s.status is SeqStatus.FINISHED for s in seqs)
 
     def run_loop(self) -> None:
         """The loop thread, supervised: if serving raises, fail what it held, reset, serve on."""

@@ -239,6 +239,10 @@ class Request:
     queued: bool = False  # counted in its tenant's max_queued_requests (accepted, not yet started)
     holds_version: bool = False  # counted as a user of its uploaded adapter version (AdapterVersions)
     preloaded: Any = None  # its adapter read off the loop thread (AdapterPreloader), until admission adopts it
+    scheduled_time: float | None = None  # first admitted (metrics: queue time; None: never started)
+    first_token_time: float | None = None  # its first generated token (metrics: time to first token)
+    last_token_time: float = 0.0  # the latest step that generated a token for it
+    token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
 
 
 @dataclass(slots=True, eq=False)

@@ -68,6 +68,7 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.loads_from_disk = 0
+        self.device_loads = 0  # copies into a device slot (metrics)
         self.evictions = 0
         self.host_evictions = 0
         self._paths: dict[str, Path] = {}
@@ -170,6 +171,7 @@ class AdapterManager:
         if slot is None:
             return None
         self.slots.load(slot, adapter)
+        self.device_loads += 1
         rec = _Resident(name=name, slot=slot, digest=adapter.digest)
         self._resident[name] = rec
         return self._pin(rec)
