@@ -22,6 +22,8 @@ TTFT, TPOT, E2E, QUEUE = "time_to_first_token_seconds", "time_per_output_token_s
     "e2e_request_latency_seconds", "queue_time_seconds"
 BATCH_SEQUENCES, BATCH_TOKENS, STEP_HOST = "batch_sequences", "batch_tokens", "step_host_seconds"
 
+MAX_PENDING_OBSERVATIONS = 100_000  # unpublished observations kept at most (the oldest go first)
+
 FAILURE_REASONS = ("invalid", "not_found", "unauthenticated", "quota", "cancelled", "timeout", "internal")
 SUCCESS_FINISH_REASONS = frozenset(("stop", "length"))
 
@@ -53,7 +55,8 @@ class EngineStats:
     """Monotonic counters per tenant label, and a queue of histogram observations (name, label, value)."""
 
     def __init__(self) -> None:
-        self.observations: deque = deque()  # appended by the engine, popped by the publisher (thread-safe ends)
+        # appended by the engine, popped by the publisher (a deque's ends are thread-safe)
+        self.observations: deque = deque(maxlen=MAX_PENDING_OBSERVATIONS)
         self.accepted: dict[str, int] = {}  # written under the engine's accept lock (Triton's thread)
         self.started: dict[str, int] = {}  # first scheduled
         self.ended_started: dict[str, int] = {}
@@ -63,6 +66,10 @@ class EngineStats:
         self.failed: dict[tuple[str, str], int] = {}  # (label, reason), ended by the engine
         self.refused: dict[tuple[str, str], int] = {}  # (label, reason), refused before reaching the engine
         self._refused_lock = threading.Lock()
+
+    def discard_observations(self) -> None:
+        """No publisher will drain them (custom metrics off): record none."""
+        self.observations = deque(maxlen=0)
 
     # ---- Triton's thread -------------------------------------------------------------
     def accept(self, request: Request) -> None:

@@ -1,25 +1,91 @@
-"""Engine counters -> Triton custom metrics (prefix `loraplex_`, on Triton's metrics port)."""
+"""The model's metrics: every family (name, kind, labels, buckets), bounded tenant labels, and the
+snapshot of engine state the loop hands to the publisher (backend/triton/metrics_publisher.py).
+
+Every family carries the labels `model` and `version` besides its own. Names are what
+Prometheus sees, prefix `loraplex_`; a histogram by its base name (the port shows it as
+`_bucket`, `_sum` and `_count`). docs/metrics.md describes each one.
+"""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+PREFIX = "loraplex_"
 OTHER_TENANTS = "other"
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 
-# Every metric family the lora_llm model exports on Triton's metrics port, by the name Prometheus
-# sees (a histogram by its base name; the port shows it as _bucket, _sum and _count). The Grafana
-# dashboard and the alert rules in deploy/ may query only these (tests/deploy checks it).
-EXPORTED_METRICS = frozenset(f"loraplex_{name}" for name in (
-    "requests_running", "requests_waiting",
-    "prompt_tokens_total", "generation_tokens_total",
-    "request_success_total", "request_failure_total", "request_finished_total",
-    "time_to_first_token_seconds", "time_per_output_token_seconds",
-    "e2e_request_latency_seconds", "queue_time_seconds",
-    "kv_cache_blocks", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total",
-    "adapters_resident", "adapter_loads_total", "adapter_evictions_total", "adapter_uploads_total",
-    "adapter_pins", "preemptions_total", "admission_cap", "num_sequences",
-    "batch_sequences", "batch_tokens", "step_host_seconds",
-))
+# bucket upper bounds (seconds, or counts); vLLM's where vllm_backend has the same metric
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1) + REQUEST_BUCKETS
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+HOST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One metric family: its name without the prefix, kind, own labels, help text, histogram buckets."""
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+T, S = ("tenant",), ("state",)
+FAMILIES = (  # lora_llm's, all published by the metrics thread
+    Family("requests_running", GAUGE, T, "Requests started and not ended, per tenant"),
+    Family("requests_waiting", GAUGE, T, "Requests accepted and not started yet, per tenant"),
+    Family("num_sequences", GAUGE, S, "Sequences by state (running, waiting, swapped)"),
+    Family("admission_cap", GAUGE, (), "Running sequences the scheduler admits up to (lowered under sustained preemption)"),
+    Family("kv_cache_blocks", GAUGE, S,
+           "KV cache blocks by state (used; cached = evictable blocks holding a prefix; free includes cached)"),
+    Family("adapters_resident", GAUGE, ("tier",), "Adapters held in device slots (device) and in host memory (host)"),
+    Family("adapter_pins", GAUGE, (), "Adapter pins held by running sequences"),
+    Family("prompt_tokens_total", COUNTER, T, "Prompt tokens of started requests, per tenant"),
+    Family("generation_tokens_total", COUNTER, T, "Tokens generated, per tenant"),
+    Family("request_success_total", COUNTER, T, "Requests that ended with finish reason stop or length, per tenant"),
+    Family("request_failure_total", COUNTER, ("tenant", "reason"),
+           "Requests that failed, per tenant and reason (invalid, not_found, unauthenticated, quota, cancelled, "
+           "timeout, internal)"),
+    Family("request_finished_total", COUNTER, ("tenant", "finish_reason"),
+           "Requests the engine ended, per tenant and finish reason (stop, length, timeout, abort, error)"),
+    Family("prefix_cache_query_tokens_total", COUNTER, T, "Prompt tokens looked up in the prefix cache, per tenant"),
+    Family("prefix_cache_hit_tokens_total", COUNTER, T, "Prompt tokens served from the prefix cache, per tenant"),
+    Family("adapter_loads_total", COUNTER, ("tier",),
+           "Adapter loads: read from disk into host memory (host), copied into a device slot (device)"),
+    Family("adapter_evictions_total", COUNTER, ("tier",),
+           "Adapters evicted from a device slot (device) or from host memory (host)"),
+    Family("preemptions_total", COUNTER, (), "Sequences preempted"),
+    Family("time_to_first_token_seconds", HISTOGRAM, T, "Arrival to first generated token, per tenant", TTFT_BUCKETS),
+    Family("time_per_output_token_seconds", HISTOGRAM, T,
+           "Mean time between a request's token-producing steps, per tenant (requests with 2+ tokens)", TPOT_BUCKETS),
+    Family("e2e_request_latency_seconds", HISTOGRAM, T, "Arrival to end of requests the engine ended, per tenant",
+           REQUEST_BUCKETS),
+    Family("queue_time_seconds", HISTOGRAM, T, "Arrival to first scheduling, per tenant", QUEUE_BUCKETS),
+    Family("batch_sequences", HISTOGRAM, (), "Sequences in a step's batch", COUNT_BUCKETS),
+    Family("batch_tokens", HISTOGRAM, (), "Tokens in a step's batch (decode tokens and prefill chunks)", TOKEN_BUCKETS),
+    Family("step_host_seconds", HISTOGRAM, (),
+           "Host time of a step outside the model runner (inbox, scheduling, update, detokenization, outputs)",
+           HOST_SECONDS_BUCKETS),
+)
+UPLOADS = Family("adapter_uploads_total", COUNTER, T, "Adapter versions uploaded, per tenant (model lora_adapters)")
+
+# Every metric family the model repository exports on Triton's metrics port, by the name Prometheus
+# sees (a histogram by its base name). The Grafana dashboard and the alert rules in deploy/ may query
+# only these (tests/deploy checks it; tests/e2e/test_metrics.py checks the port against it).
+EXPORTED_METRICS = frozenset(PREFIX + f.name for f in (*FAMILIES, UPLOADS))
 
 
 class TenantLabels:
@@ -41,69 +107,49 @@ class TenantLabels:
         return OTHER_TENANTS
 
 
-class TritonMetrics:
-    """Publishes engine state once per step through pb_utils.MetricFamily."""
+Values = dict[tuple[str, tuple], float]  # (family name, its label values) -> value
 
-    def __init__(self, pb_utils):
-        family = pb_utils.MetricFamily
 
-        def make(name: str, kind, description: str):
-            return family(name=f"loraplex_{name}", description=description, kind=kind)
+def _per_label(values: Values, name: str, counts: dict) -> None:
+    for key, n in counts.items():
+        values[(name, key if isinstance(key, tuple) else (key,))] = n
 
-        gauge, counter = family.GAUGE, family.COUNTER
-        self._blocks = make("kv_cache_blocks", gauge,
-                            "KV cache blocks by state (cached = evictable blocks holding a prefix; free includes cached)")
-        self._queries = make("prefix_cache_query_tokens_total", counter, "Prompt tokens looked up in the prefix cache, per tenant")
-        self._hits = make("prefix_cache_hit_tokens_total", counter, "Prompt tokens served from the prefix cache, per tenant")
-        self._seqs = make("num_sequences", gauge, "Sequences by state")
-        self._preemptions = make("preemptions_total", counter, "Sequences preempted")
-        self._cap = make("admission_cap", gauge,
-                         "Running sequences the scheduler admits up to (lowered under sustained preemption)")
-        self._generated = make("generation_tokens_total", counter, "Tokens generated, per tenant")
-        self._finished = make("request_finished_total", counter,
-                              "Requests ended, per tenant and finish reason (stop, length, timeout, abort, error)")
-        self._pins = make("adapter_pins", gauge, "Adapter pins held by running sequences (device slots in use)")
-        self._block_gauges = {s: self._blocks.Metric(labels={"state": s}) for s in ("used", "cached", "free")}
-        self._seq_gauges = {s: self._seqs.Metric(labels={"state": s}) for s in ("running", "waiting", "swapped")}
-        self._preempt_counter = self._preemptions.Metric(labels={})
-        self._cap_gauge = self._cap.Metric(labels={})
-        self._pins_gauge = self._pins.Metric(labels={})
-        self._counters: dict[tuple, object] = {}
-        self._reported: dict[object, float] = {}
 
-    def update(self, engine) -> None:
-        """Publish what changed since the last call (counters grow by their delta)."""
-        for state, value in engine.kv_manager.usage().items():
-            self._set(self._block_gauges[state], value)
-        sched = engine.scheduler
-        self._set(self._seq_gauges["running"], len(sched.running))
-        self._set(self._seq_gauges["waiting"], len(sched.waiting))
-        self._set(self._seq_gauges["swapped"], len(sched.swapped))
-        self._set(self._cap_gauge, min(sched.cap.value, engine.config.max_num_seqs))
-        self._set(self._pins_gauge, engine.adapters.total_pins())
-        self._grow(self._preempt_counter, sched.num_preemptions)
-        for family, names, totals in (
-            (self._queries, ("tenant",), sched.prefix_query_tokens),
-            (self._hits, ("tenant",), sched.prefix_hit_tokens),
-            (self._generated, ("tenant",), engine.generated_tokens),
-            (self._finished, ("tenant", "finish_reason"), engine.finished_requests),
-        ):
-            for key, total in totals.items():
-                self._grow(self._labeled(family, names, key if isinstance(key, tuple) else (key,)), total)
+def capture(engine: "LLMEngine") -> Values:
+    """The loop-owned gauges and counters, read on the loop thread (plain reads and dict copies, no IPC)."""
+    kv, sched, adapters, stats = engine.kv_manager, engine.scheduler, engine.adapters, engine.stats
+    values: Values = {("kv_cache_blocks", (state,)): n for state, n in kv.usage().items()}
+    values.update({
+        ("num_sequences", ("running",)): len(sched.running),
+        ("num_sequences", ("waiting",)): len(sched.waiting),
+        ("num_sequences", ("swapped",)): len(sched.swapped),
+        ("admission_cap", ()): min(sched.cap.value, engine.config.max_num_seqs),
+        ("adapter_pins", ()): adapters.total_pins(),
+        ("adapters_resident", ("device",)): len(adapters.resident_names()),
+        ("adapters_resident", ("host",)): len(adapters.host_names()),
+        ("adapter_loads_total", ("host",)): adapters.loads_from_disk,
+        ("adapter_loads_total", ("device",)): adapters.device_loads,
+        ("adapter_evictions_total", ("device",)): adapters.evictions,
+        ("adapter_evictions_total", ("host",)): adapters.host_evictions,
+        ("preemptions_total", ()): sched.num_preemptions,
+    })
+    for name, counts in (
+        ("prefix_cache_query_tokens_total", sched.prefix_query_tokens),
+        ("prefix_cache_hit_tokens_total", sched.prefix_hit_tokens),
+        ("generation_tokens_total", engine.generated_tokens),
+        ("request_finished_total", engine.finished_requests),
+        ("prompt_tokens_total", stats.prompt_tokens),
+        ("request_success_total", stats.succeeded),
+    ):
+        _per_label(values, name, dict(counts))
+    return values
 
-    def _labeled(self, family, names: tuple, values: tuple):
-        metric = self._counters.get((family, values))
-        if metric is None:
-            metric = self._counters[(family, values)] = family.Metric(labels=dict(zip(names, values)))
-        return metric
 
-    def _set(self, gauge, value: float) -> None:
-        if self._reported.get(gauge) != value:
-            gauge.set(value)
-            self._reported[gauge] = value
-
-    def _grow(self, counter, total: float) -> None:
-        delta = total - self._reported.get(counter, 0)
-        if delta:
-            counter.increment(delta)
-            self._reported[counter] = total
+def live_values(stats) -> Values:
+    """What other threads than the loop change too (acceptances, refusals): read by the publisher itself."""
+    values: Values = {}
+    running, waiting = stats.requests_by_state()
+    _per_label(values, "requests_running", running)
+    _per_label(values, "requests_waiting", waiting)
+    _per_label(values, "request_failure_total", stats.failures())
+    return values

@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..metrics import UPLOADS, TenantLabels
 from ..request import InvalidRequest
 from ..tenancy import TenantResolver
+from .metrics_publisher import TritonMetrics, metrics_enabled
 from .model_config import engine_config_from_model_config
 
 log = logging.getLogger("loraplex.triton.adapters")
@@ -91,6 +93,13 @@ class TritonPythonModel:
         self.tenants = TenantResolver.from_env()
         self._store = None
         self._hf_config = None
+        self.tenant_labels = TenantLabels(self.config.max_metric_tenants)
+        self.metrics = None
+        if metrics_enabled(model_config):
+            try:
+                self.metrics = TritonMetrics(pb_utils, args["model_name"], args["model_version"], (UPLOADS,))
+            except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+                log.exception("custom metrics are unavailable; serving without them")
         log.info("lora_adapters ready: adapter store %s", self.config.adapter_store or "(none: uploads disabled)")
 
     def _store_now(self):
@@ -141,8 +150,23 @@ class TritonPythonModel:
         from ..lora.store import check_name
 
         check_name(args["name"])  # before loading the base model's config
-        return store.upload(tenant, args["name"], args["config_text"], args["weights"], self._base_config(),
-                            self.config.max_lora_rank).to_json()
+        result = store.upload(tenant, args["name"], args["config_text"], args["weights"], self._base_config(),
+                              self.config.max_lora_rank).to_json()
+        self._count_upload(tenant)
+        return result
+
+    def _count_upload(self, tenant) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.increment(UPLOADS.name, (self.tenant_labels.label(tenant.name, tenant.authenticated),))
+        except Exception:  # noqa: BLE001 - the upload succeeded; a metric must not fail it
+            log.exception("counting an upload failed")
+
+    def finalize(self):
+        """Drop the metrics before their families."""
+        if self.metrics is not None:
+            self.metrics.close()
 
     @staticmethod
     def _message(exc: Exception) -> str:

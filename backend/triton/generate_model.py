@@ -12,9 +12,10 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from ..engine import LLMEngine
-from ..metrics import TritonMetrics
+from ..metrics import OTHER_TENANTS
 from ..tenancy import TenantResolver
 from .errors import error_code
+from .metrics_publisher import MetricsPublisher, TritonMetrics, metrics_enabled
 from .model_config import engine_config_from_model_config, load_multi_lora
 from .parsing import parse_generate_input
 from .responder import Responder
@@ -46,15 +47,29 @@ class TritonPythonModel:
         self.engine = LLMEngine(config)
         self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
         self.engine.on_outputs = self.responder.push
-        self.metrics = TritonMetrics(pb_utils)
-        self.engine.on_step = self.metrics.update
-        self.metrics.update(self.engine)
+        self.metrics = self._start_metrics(model_config, args["model_name"], args["model_version"])
         self.responder.start()
         self.engine.start()
         self._finalizing = threading.Event()
         self._unload_watch = threading.Thread(target=self._watch_unloading, name="loraplex-unload-watch",
                                               args=(args["model_name"], args["model_version"]), daemon=True)
         self._unload_watch.start()
+
+    def _start_metrics(self, model_config: dict, name: str, version: str) -> MetricsPublisher | None:
+        """Custom metrics on Triton's metrics port, unless REPORT_CUSTOM_METRICS is false or they cannot be made."""
+        publisher = None
+        if metrics_enabled(model_config):
+            try:
+                publisher = MetricsPublisher(TritonMetrics(pb_utils, name, version), self.engine.stats)
+                publisher.start(self.engine)
+            except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+                log.exception("custom metrics are unavailable; serving without them")
+                publisher = None
+        if publisher is None:
+            self.engine.stats.discard_observations()
+        else:
+            self.engine.on_step = publisher.on_step
+        return publisher
 
     def _watch_unloading(self, name: str, version: str) -> None:
         """End every request the model holds once Triton starts unloading it (server stopping, explicit unload).
@@ -90,8 +105,19 @@ class TritonPythonModel:
         return None
 
     def _enqueue(self, request, sender) -> None:
-        parameters = json.loads(request.parameters() or "{}")
-        tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key is refused before any other work
+        label = OTHER_TENANTS  # no tenant yet: refused before its key was checked
+        try:
+            parameters = json.loads(request.parameters() or "{}")
+            tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key is refused before any other work
+            label = self.engine.tenant_labels.label(tenant.name, tenant.authenticated)
+            self._enqueue_for(request, sender, parameters, tenant)
+        except Exception as exc:
+            self.engine.stats.refuse(label, exc)
+            if self.metrics is not None:
+                self.metrics.wake()
+            raise
+
+    def _enqueue_for(self, request, sender, parameters: dict, tenant) -> None:
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -114,3 +140,5 @@ class TritonPythonModel:
         self._finalizing.set()
         self.responder.push(self.engine.shutdown())
         self.responder.stop()
+        if self.metrics is not None:
+            self.metrics.stop(self.engine)

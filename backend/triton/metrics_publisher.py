@@ -1,0 +1,138 @@
+"""Triton custom metrics (pb_utils.MetricFamily), published from a side thread.
+
+Each pb_utils metric call is an IPC round trip to tritonserver (~40-60 us here), so the
+engine loop never makes one: after a step it hands over a snapshot of its gauges and
+counters (`metrics.capture`, plain reads), at most every `CAPTURE_SECONDS` and whenever
+it goes idle, and histogram observations wait in `EngineStats.observations`. The
+publisher thread sends what changed: a gauge when its value moved, a counter by its
+delta, one `observe` per observation (Triton 2.51's native HISTOGRAM kind).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ..metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, capture, live_values
+
+log = logging.getLogger("loraplex.metrics")
+
+CAPTURE_SECONDS = 0.05  # the loop hands over a snapshot at most this often while it has work
+REFRESH_SECONDS = 1.0  # the publisher re-reads the values other threads change at least this often
+
+
+def metrics_enabled(model_config: dict) -> bool:
+    """The model parameter REPORT_CUSTOM_METRICS (vllm_backend's name): on unless false/0/no/off."""
+    value = model_config.get("parameters", {}).get("REPORT_CUSTOM_METRICS", {}).get("string_value", "true")
+    return value.strip().lower() not in ("false", "0", "no", "off")
+
+
+class TritonMetrics:
+    """The pb_utils families of `families` and their metrics; publishes values and observations."""
+
+    def __init__(self, pb_utils, model: str, version: str, families: tuple[Family, ...] = FAMILIES):
+        kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
+                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}
+        self._base = {"model": model, "version": version}
+        self._specs = {f.name: f for f in families}
+        self._families = {f.name: pb_utils.MetricFamily(name=PREFIX + f.name, description=f.description,
+                                                        kind=kinds[f.kind]) for f in families}
+        self._metrics: dict[tuple[str, tuple], object] = {}
+        self._reported: dict[tuple[str, tuple], float] = {}
+
+    def metric(self, name: str, label_values: tuple):
+        """The metric of one label combination (created once: creating is an IPC round trip too)."""
+        key = (name, label_values)
+        metric = self._metrics.get(key)
+        if metric is None:
+            spec = self._specs[name]
+            labels = {**self._base, **dict(zip(spec.labels, label_values))}
+            kwargs = {"buckets": list(spec.buckets)} if spec.kind == HISTOGRAM else {}
+            metric = self._metrics[key] = self._families[name].Metric(labels=labels, **kwargs)
+        return metric
+
+    def publish(self, values: Values, observations: list) -> None:
+        """Gauges that changed, counters by their growth, then each histogram observation."""
+        reported = self._reported
+        for key, value in values.items():
+            last = reported.get(key)
+            if last == value:
+                continue
+            metric = self.metric(*key)  # a counter shows from 0, so rate() sees its first increase
+            if self._specs[key[0]].kind == GAUGE:
+                metric.set(value)
+            elif value > (last or 0):
+                metric.increment(value - (last or 0))
+            elif last is not None:
+                continue  # a counter never goes down
+            reported[key] = value
+        for name, label, value in observations:
+            self.metric(name, () if label is None else (label,)).observe(value)
+
+    def increment(self, name: str, label_values: tuple, amount: float = 1) -> None:
+        """Count at once (a model without an engine loop, e.g. lora_adapters)."""
+        self.metric(name, label_values).increment(amount)
+
+    def close(self) -> None:
+        """Drop the metrics before their families (Triton refuses the other order)."""
+        self._metrics.clear()
+        self._families.clear()
+
+
+class MetricsPublisher:
+    """The side thread: publishes the latest snapshot the loop handed over, plus every observation."""
+
+    def __init__(self, metrics: TritonMetrics, stats):
+        self.metrics, self.stats = metrics, stats
+        self._latest: Values = {}
+        self._next_capture = 0.0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="loraplex-metrics", daemon=True)
+
+    def start(self, engine) -> None:
+        """Publish the engine's state as it is now, then keep publishing from the thread."""
+        self._latest = capture(engine)
+        self._publish()
+        self._thread.start()
+
+    def on_step(self, engine) -> None:
+        """The engine loop's hook after each step: a snapshot if one is due or the loop goes idle."""
+        now = time.monotonic()
+        if now < self._next_capture and engine.has_work():
+            return
+        self._next_capture = now + CAPTURE_SECONDS
+        self._latest = capture(engine)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something other threads count changed (a refusal): publish soon."""
+        self._wake.set()
+
+    def stop(self, engine=None) -> None:
+        """Publish a last time (the engine's final state, if given), end the thread, release the metrics."""
+        if engine is not None:
+            self._latest = capture(engine)
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        if not self._thread.is_alive():
+            self.metrics.close()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(REFRESH_SECONDS)
+            self._wake.clear()
+            stopping = self._stopping
+            self._publish()
+            if stopping:
+                return
+
+    def _publish(self) -> None:
+        try:
+            values = {**self._latest, **live_values(self.stats)}
+            self.metrics.publish(values, self.stats.drain())
+        except Exception:  # noqa: BLE001 - metrics must never take the model down
+            log.exception("publishing metrics failed")
