@@ -15,7 +15,7 @@ from ..engine import LLMEngine
 from ..metrics import OTHER_TENANTS
 from ..tenancy import TenantResolver
 from .errors import error_code
-from .metrics_publisher import MetricsPublisher, TritonMetrics, metrics_enabled
+from .metrics_publisher import start_publisher
 from .model_config import engine_config_from_model_config, load_multi_lora
 from .parsing import parse_generate_input
 from .responder import Responder
@@ -47,29 +47,13 @@ class TritonPythonModel:
         self.engine = LLMEngine(config)
         self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
         self.engine.on_outputs = self.responder.push
-        self.metrics = self._start_metrics(model_config, args["model_name"], args["model_version"])
+        self.metrics = start_publisher(pb_utils, model_config, args["model_name"], args["model_version"], self.engine)
         self.responder.start()
         self.engine.start()
         self._finalizing = threading.Event()
         self._unload_watch = threading.Thread(target=self._watch_unloading, name="loraplex-unload-watch",
                                               args=(args["model_name"], args["model_version"]), daemon=True)
         self._unload_watch.start()
-
-    def _start_metrics(self, model_config: dict, name: str, version: str) -> MetricsPublisher | None:
-        """Custom metrics on Triton's metrics port, unless REPORT_CUSTOM_METRICS is false or they cannot be made."""
-        publisher = None
-        if metrics_enabled(model_config):
-            try:
-                publisher = MetricsPublisher(TritonMetrics(pb_utils, name, version), self.engine.stats)
-                publisher.start(self.engine)
-            except Exception:  # noqa: BLE001 - serving without metrics beats not serving
-                log.exception("custom metrics are unavailable; serving without them")
-                publisher = None
-        if publisher is None:
-            self.engine.stats.discard_observations()
-        else:
-            self.engine.on_step = publisher.on_step
-        return publisher
 
     def _watch_unloading(self, name: str, version: str) -> None:
         """End every request the model holds once Triton starts unloading it (server stopping, explicit unload).

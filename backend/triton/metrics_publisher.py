@@ -28,6 +28,24 @@ def metrics_enabled(model_config: dict) -> bool:
     return value.strip().lower() not in ("false", "0", "no", "off")
 
 
+def start_publisher(pb_utils, model_config: dict, model: str, version: str, engine) -> "MetricsPublisher | None":
+    """The engine's metrics publisher, started and hooked to its loop; None when REPORT_CUSTOM_METRICS is false
+    or the families cannot be made (the model then serves without metrics, and records no observations)."""
+    publisher = None
+    if metrics_enabled(model_config):
+        try:
+            publisher = MetricsPublisher(TritonMetrics(pb_utils, model, version), engine.stats)
+            publisher.start(engine)
+        except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+            log.exception("custom metrics are unavailable; serving without them")
+            publisher = None
+    if publisher is None:
+        engine.stats.discard_observations()
+    else:
+        engine.on_step = publisher.on_step
+    return publisher
+
+
 class TritonMetrics:
     """The pb_utils families of `families` and their metrics; publishes values and observations."""
 
