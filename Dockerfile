@@ -9,8 +9,8 @@
 #       -v /srv/models/Meta-Llama-3-8B-Instruct:/models/model:ro -v loraplex-adapters:/adapters \
 #       loraplex:0.1.0 loraplex-serve --model-dir /models/model --adapter-store /adapters --openai-port 9000
 #
-# Base image: tritonserver 25.03 (Triton 2.56.0): Ubuntu 24.04 with Python 3.12 and CUDA 12.8.1 (driver R570+;
-# on data-center GPUs R525/R535/R545 too, through CUDA forward compatibility). The Python-backend stub in
+# Base image: tritonserver 25.03 (Triton 2.56.0): Ubuntu 24.04 with Python 3.12 and CUDA 12.8.1 (its release
+# notes: driver R560+, or R525/R535/R545 on data-center GPUs through CUDA compatibility). The Python-backend stub in
 # /opt/tritonserver/backends/python embeds that Python 3.12, so our virtualenv is made from the same
 # interpreter: both stages start from the same image. Releases 24.12-25.07 have Python 3.12 and CUDA 12;
 # 25.08 and later are CUDA 13, for which the CuPy package below would be cupy-cuda13x.
