@@ -44,7 +44,27 @@ LABEL_VALUES = {
     ("loraplex_adapters_resident", "tier"): ("device", "host"),
     ("loraplex_num_sequences", "state"): ("running", "waiting", "swapped"),
     ("loraplex_request_finished_total", "finish_reason"): ("stop", "length", "timeout", "abort", "error"),
+    ("loraplex_adapter_loads_total", "tier"): ("device", "host"),
+    ("loraplex_adapter_evictions_total", "tier"): ("device", "host"),
 }
+
+# Labels a series can carry besides its family's own: model/version (every loraplex family) and what
+# Prometheus adds to a target (prometheus.yml's relabelling, the Prometheus Operator's).
+TARGET_LABELS = frozenset({"model", "version", "instance", "job", "namespace", "pod", "node", "service",
+                           "endpoint", "container"})
+
+
+def family_labels() -> dict[str, frozenset[str]]:
+    """Each exported family's labels, from backend/metrics.py's table of families."""
+    out = {}
+    for family in (*metrics.FAMILIES, metrics.UPLOADS):
+        extra = {"le"} if family.kind == metrics.HISTOGRAM else set()
+        out[metrics.PREFIX + family.name] = frozenset(family.labels) | TARGET_LABELS | extra
+    assert set(out) == EXPORTED
+    return out
+
+
+LABELS = family_labels()
 
 # What the dashboard must show (issue 12): throughput, TTFT/TPOT, KV use, prefix-cache hit rate,
 # adapter residency and loads, preemptions, failures by reason.
@@ -62,7 +82,20 @@ DURATION = re.compile(r"^(\d+(ms|[smhdwy]))+$")
 
 
 def check(expr: str) -> set[str]:
-    return check_expression(expr, EXPORTED, ALLOWED_FOREIGN, LABEL_VALUES)
+    """The families ``expr`` reads; PromQLError for a foreign metric, a label value the model never
+    sets, or a label (in a matcher or a by/without clause) that none of its loraplex families has."""
+    families = check_expression(expr, EXPORTED, ALLOWED_FOREIGN, LABEL_VALUES)
+    for name, label, _, _ in label_matchers(expr):
+        family = base_name(name, EXPORTED)
+        if family in LABELS and label not in LABELS[family]:
+            raise PromQLError(f"{family} has no label {label!r} (it has {sorted(LABELS[family] - TARGET_LABELS)}), in {expr!r}")
+    if families <= EXPORTED:  # foreign metrics have labels of their own (DCGM's gpu, Hostname): not checked
+        known = set().union(*(LABELS[f] for f in families)) if families else set()
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+            for label in filter(None, (g.strip() for g in group.split(","))):
+                if label not in known:
+                    raise PromQLError(f"grouping by {label!r}, which none of {sorted(families)} has, in {expr!r}")
+    return families
 
 
 # ---- the extractor itself ----------------------------------------------------------------------
@@ -107,6 +140,9 @@ def test_matchers_belong_to_their_metric():
     ('loraplex_adapters_resident{tier="gpu"}', "not among"),
     ('{state="used"}', "without a metric name"),
     ("nv_gpu_utilization", "nor allow-listed"),  # a real Triton metric, but not on the allow-list
+    ('loraplex_kv_cache_blocks{tenant="acme"}', "has no label 'tenant'"),  # KV blocks are per replica
+    ("sum by (tenant) (rate(loraplex_preemptions_total[5m]))", "grouping by 'tenant'"),
+    ('rate(loraplex_adapter_loads_total{tier="disk"}[5m])', "not among"),
 ])
 def test_check_expression_rejects(expr, message):
     with pytest.raises(PromQLError, match=re.escape(message)):
