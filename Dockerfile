@@ -3,9 +3,9 @@
 # Loraplex GPU image: NVIDIA's Triton container with the loraplex wheel in a virtualenv (docs/deployment.md).
 #
 #   docker build -t loraplex:0.1.0 .
-#   docker run --gpus all --init --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 \
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 \
 #       -v loraplex-adapters:/adapters loraplex:0.1.0                    # SmolLM2-135M-Instruct + pirate, french
-#   docker run --gpus all --init --shm-size=1g -p 8000-8002:8000-8002 -p 9000:9000 \
+#   docker run --gpus all --shm-size=1g -p 8000-8002:8000-8002 -p 9000:9000 \
 #       -v /srv/models/Meta-Llama-3-8B-Instruct:/models/model:ro -v loraplex-adapters:/adapters \
 #       loraplex:0.1.0 loraplex-serve --model-dir /models/model --adapter-store /adapters --openai-port 9000
 #
@@ -89,8 +89,8 @@ LABEL org.opencontainers.image.title="loraplex" \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# tini reaps orphans (a Python-backend stub left by a crashed tritonserver) when Kubernetes runs the
-# launcher as PID 1; `docker run --init` does the same outside Kubernetes. Unpinned as above.
+# tini as PID 1 reaps orphans (a Python-backend stub left by a crashed tritonserver), in Docker and in
+# Kubernetes alike (no `docker run --init` needed). Unpinned as above.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
