@@ -46,6 +46,7 @@ class EngineConfig:
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
     seed: int = 0  # seeds the global RNG used by requests without their own `seed`
+    cpu_threads: int = 0  # torch CPU threads; 0 = auto (a server: CPUs - 1, unless OMP_NUM_THREADS is set)
 
     def __post_init__(self) -> None:
         checks = [
@@ -76,6 +77,7 @@ class EngineConfig:
             (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps must be >= 0"),
             (self.fair_share in ("vtc", "off"), "fair_share must be vtc or off"),
             (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
+            (self.cpu_threads >= 0, "cpu_threads must be >= 0 (0 = auto)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,3 +102,14 @@ class EngineConfig:
         if os.environ.get("LORAPLEX_ADAPTER_STORE"):
             values["adapter_store"] = os.environ["LORAPLEX_ADAPTER_STORE"]
         return EngineConfig.from_dict(values)
+
+
+def serving_cpu_threads() -> int:
+    """torch CPU threads for a server: every CPU this process may use but one, which Triton's
+    frontends and the response thread need (at least 1). A torch pool as large as the machine
+    stalls at its barriers whenever another thread takes one of its cores: on 2 cores with one
+    other busy thread, one stream fell from 8.5 to 0.8-1.9 tokens/s (docs/benchmarks.md).
+    0 (keep torch's own setting) when OMP_NUM_THREADS is set: that choice is the operator's."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) - 1)

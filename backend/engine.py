@@ -63,6 +63,8 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
+        if config.cpu_threads > 0:
+            torch.set_num_threads(config.cpu_threads)  # before the loop thread's first op: it inherits this
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per server start
         hf_config = load_hf_config(config.model_dir)
         self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
@@ -114,9 +116,9 @@ class LLMEngine:
         self.stats = EngineStats()  # request and step metrics (counters, latency observations)
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks",
-                 config.model_dir, self.device, self.dtype, num_blocks, config.block_size, max_len,
-                 self.num_host_blocks)
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
+                 "%d torch CPU threads", config.model_dir, self.device, self.dtype, num_blocks, config.block_size,
+                 max_len, self.num_host_blocks, torch.get_num_threads())
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,

@@ -63,6 +63,7 @@ CONFIGURATIONS = {
 DEFAULT_AIPERF = ROOT / ".cache" / "aiperf-venv" / "bin" / "aiperf"
 BASE_MODEL = "base"  # the name that, in --adapters, means the base model without an adapter
 GENERATED_TOKENS = "loraplex_generation_tokens_total"
+PROMPT_TOKENS, PREFIX_HIT_TOKENS = "loraplex_prompt_tokens_total", "loraplex_prefix_cache_hit_tokens_total"
 WARM_UP_TOKENS = 4
 # The payload of one request; AIPerf renders it per request (an inline template would be
 # split at its first comma by --extra-inputs, so it goes to a file).
@@ -338,6 +339,11 @@ def summarize(out_dir: Path, generated_tokens: float) -> dict:
     }
 
 
+def prefill_computed(metrics_url: str) -> float:
+    """Prompt tokens the server has prefilled so far: prompt tokens less those the prefix cache served."""
+    return counter_total(metrics_url, PROMPT_TOKENS) - counter_total(metrics_url, PREFIX_HIT_TOKENS)
+
+
 def wait_for_tokens(metrics_url: str, before: float, expected: int, timeout: float = 5.0) -> float:
     """Tokens generated since ``before``, polled until they reach ``expected`` or ``timeout`` s pass."""
     deadline = time.monotonic() + timeout
@@ -360,11 +366,14 @@ def measure(name: str, engine_config: dict, model_flags: list[str], tokenizer: P
           Launcher(model_flags, engine_config, Path(store), out_dir / "loraplex-serve.log") as server):
         server.start(args.ready_timeout)
         before = wait_for_tokens(server.metrics_url, 0.0, warm_up(server.http_url, adapters))
+        prefill_before = prefill_computed(server.metrics_url)
         run_aiperf(aiperf_command(args.aiperf, server.http_url, workload, adapters, template, tokenizer, out_dir),
                    out_dir)
         asked = sum(n for _, n in completed_requests(out_dir)[0])
         generated = wait_for_tokens(server.metrics_url, before, asked)
-    figures = {"config": name, "engine_config": engine_config, **summarize(out_dir, generated)}
+        prefill = prefill_computed(server.metrics_url) - prefill_before
+    figures = {"config": name, "engine_config": engine_config, **summarize(out_dir, generated),
+               "prefill_tokens": prefill}
     if figures["output_tokens"] != figures["output_tokens_asked"]:
         print(f"serving.py: {name}: warning: the server generated {figures['output_tokens']} tokens, "
               f"the requests asked for {figures['output_tokens_asked']}", file=sys.stderr)
@@ -379,6 +388,7 @@ COLUMNS = [  # (key, heading, format, better when higher)
     ("itl_p50_ms", "ITL p50 ms", "{:.1f}", False),
     ("e2e_mean_ms", "e2e mean ms", "{:.0f}", False),
     ("e2e_p99_ms", "e2e p99 ms", "{:.0f}", False),
+    ("prefill_tokens", "prefill tok", "{:.0f}", False),
 ]
 
 

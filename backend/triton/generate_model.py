@@ -11,12 +11,13 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from ..config import serving_cpu_threads
 from ..engine import LLMEngine
 from ..metrics import OTHER_TENANTS
 from ..tenancy import TenantResolver
 from .errors import error_code
 from .metrics_publisher import start_publisher
-from .model_config import engine_config_from_model_config, load_multi_lora
+from .model_config import engine_config_from_model_config, multi_lora_for
 from .parsing import parse_generate_input
 from .responder import Responder
 
@@ -40,7 +41,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("lora_llm must be decoupled (model_transaction_policy { decoupled: true })")
         model_dir = Path(args["model_repository"])
         config = engine_config_from_model_config(model_config, model_dir)
-        multi_lora = load_multi_lora(model_dir / args["model_version"] / "multi_lora.json")
+        if config.cpu_threads == 0:
+            config.cpu_threads = serving_cpu_threads()
+        multi_lora = multi_lora_for(model_config, model_dir, args["model_version"], config)
         config.multi_lora = {**multi_lora, **config.multi_lora}
         self.ids = itertools.count()
         self.tenants = TenantResolver.from_env()

@@ -16,10 +16,25 @@ def load_multi_lora(path: Path) -> dict[str, str]:
     return {name: str((path.parent / p).resolve()) for name, p in entries.items()}
 
 
+def configured_model_dir(model_config: dict, model_dir: Path) -> str | None:
+    """The base model config.pbtxt names (its model_dir parameter, resolved), if any."""
+    path = model_config.get("parameters", {}).get("model_dir", {}).get("string_value")
+    return str((model_dir / path).resolve()) if path else None
+
+
+def multi_lora_for(model_config: dict, model_dir: Path, version: str, config: EngineConfig) -> dict[str, str]:
+    """multi_lora.json's adapters when the engine serves the model config.pbtxt names; {} when
+    LORAPLEX_MODEL_DIR put another base model in its place (the file's adapters belong to that one)."""
+    configured = configured_model_dir(model_config, model_dir)
+    if configured is not None and str(Path(config.model_dir).resolve()) != configured:
+        return {}
+    return load_multi_lora(model_dir / version / "multi_lora.json")
+
+
 def engine_config_from_model_config(model_config: dict, model_dir: Path) -> EngineConfig:
     """Config parameters of config.pbtxt (engine_config JSON, model_dir), then env overrides."""
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
     values = json.loads(params.get("engine_config", "{}") or "{}")
     if params.get("model_dir"):
-        values["model_dir"] = str((model_dir / params["model_dir"]).resolve())
+        values["model_dir"] = configured_model_dir(model_config, model_dir)
     return EngineConfig.from_dict(values).with_env_overrides()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import requests
 
@@ -34,3 +35,13 @@ def scrape(server, name: str, **labels) -> float | None:
 def wait_for_metric(server, name: str, expected: float, timeout: float = 20.0, **labels) -> float | None:
     """Poll a metric until it equals `expected` (returns the last value seen)."""
     return metrics.wait_for_metric(server.metrics_url, name, expected, timeout, **labels)
+
+
+def wait_for_positive(server, name: str, timeout: float = 20.0, **labels) -> float | None:
+    """Poll a metric until it is above 0 (metrics are published up to ~50 ms after the engine's step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = scrape(server, name, **labels)
+        if (value or 0) > 0 or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-from helpers import http_generate, scrape, sse_events, token_ids_of, wait_for_metric
+from helpers import http_generate, sse_events, token_ids_of, wait_for_metric, wait_for_positive
 from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
@@ -198,7 +198,7 @@ def test_grpc_cancel_frees_blocks(triton_server):
     client.start_stream(callback=lambda result, error: q.put((result, error)), headers={"x-tenant-id": "canceller"})
     client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True}))
     q.get(timeout=60)
-    assert scrape(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
+    assert wait_for_positive(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
     client.stop_stream(cancel_requests=True)
     assert _idle_used_blocks(triton_server) == 0.0
     assert wait_for_metric(triton_server, "loraplex_request_finished_total", 1.0,

@@ -7,10 +7,9 @@ Each test uses its own tenants, so the per-tenant counters start at zero.
 from __future__ import annotations
 
 import queue
-import time
 
 import tritonclient.grpc as grpcclient
-from helpers import scrape, wait_for_metric
+from helpers import scrape, wait_for_metric, wait_for_positive
 from tritonserver_fixture import make_triton_server_fixture
 
 from loraplex.clients.generate import build_inputs, stream_generate
@@ -68,10 +67,7 @@ def test_cancelled_request_returns_the_free_count_to_idle(triton_server):
     try:
         result, error = results.get(timeout=60)
         assert error is None
-        deadline = time.monotonic() + 20
-        while not scrape(triton_server, "loraplex_kv_cache_blocks", state="used") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert scrape(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
+        assert wait_for_positive(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers import http_generate, scrape, token_ids_of, wait_for_metric
+from helpers import http_generate, scrape, token_ids_of, wait_for_metric, wait_for_positive
 from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture
 
@@ -64,7 +64,7 @@ def test_preempted_streams_equal_peft_and_end_once(triton_server, demo, tokenize
         expected = greedy_tokens(str(demo["model"]), None, tokenizer(prompt).input_ids, 40, ignore_eos=True)
         assert token_ids_of(result) == expected, prompt  # nothing lost, nothing sent twice
         assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
-    assert scrape(triton_server, "loraplex_preemptions_total") > 0
+    assert wait_for_positive(triton_server, "loraplex_preemptions_total") > 0
     _idle(triton_server)
 
 

@@ -1,0 +1,173 @@
+"""What serving through Triton costs: the same requests in-process and through `loraplex-serve`.
+
+    python benchmarks/triton_overhead.py [--model smollm2|tiny] [--streams 1,16] [--max-tokens 64]
+
+For each stream count N, N greedy `ignore_eos` requests of `--max-tokens` tokens each
+(the same prompts, round-robin over `--adapters`) run twice: in-process, on an
+``LLMEngine`` stepped on this thread (``engine.generate``), and through Triton, as N
+concurrent HTTP `generate_stream` clients of one `loraplex-serve`. Both use the same
+engine knobs and, by default, torch threads (the server's choice: engine knob
+`cpu_threads`). Output tokens/s is the tokens generated over the wall
+time from the first request to the last token; the ratio Triton / in-process is measured
+within one run (issue 11's goal 3: at least 0.90), the two sides alternated `--repeats`
+times, best of each. The server is started once, before the
+in-process engine is built, and stopped at the end; `--server-env K=V` sets environment
+variables of the server (e.g. OMP_WAIT_POLICY=PASSIVE) to compare launch settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serving import BASE_MODEL, Launcher, model_and_adapters, warm_up  # noqa: E402
+
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
+    "Describe the water cycle to a child.", "What makes a good cup of tea?",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    ap.add_argument("--model-dir", help="any HF checkpoint folder instead of a built-in model")
+    ap.add_argument("--adapters", default=BASE_MODEL,
+                    help=f"comma-separated adapter names, round-robin over requests ('{BASE_MODEL}' = none)")
+    ap.add_argument("--streams", default="1,16", help="comma-separated concurrent request counts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each side, alternated (in-process, Triton, in-process, ...); the best is reported")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads in-process (default: what the server picks, engine knob cpu_threads = 0)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="K=V")
+    ap.add_argument("--engine-config", default="{}", help="engine knobs (JSON) for both")
+    ap.add_argument("--json", dest="json_path", type=Path)
+    return ap.parse_args(argv)
+
+
+def prompts_for(model: str, count: int) -> list[str]:
+    """Chat-formatted questions for SmolLM2; plain text for other checkpoints."""
+    if model == "smollm2":
+        from loraplex.smollm2 import chat_text
+
+        return [chat_text(QUESTIONS[i % len(QUESTIONS)]) for i in range(count)]
+    return [f"{i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(count)]
+
+
+def parameters(max_tokens: int, adapter: str) -> dict:
+    values = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if adapter != BASE_MODEL:
+        values["lora_name"] = adapter
+    return values
+
+
+def stream_one(url: str, prompt: str, params: dict, tokens: list, index: int) -> None:
+    """One generate_stream request; counts the tokens the server says each event carries."""
+    body = json.dumps({"text_input": prompt, "stream": True, "parameters": {**params, "return_num_output_tokens": True}})
+    request = urllib.request.Request(f"{url}/v2/models/lora_llm/generate_stream", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    count = 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if line.startswith(b"data:"):
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                count += int(event["num_output_tokens"])
+    tokens[index] = count
+
+
+def through_triton(url: str, prompts: list[str], adapters: list[str], max_tokens: int) -> float:
+    """tok/s of len(prompts) concurrent streams."""
+    tokens = [0] * len(prompts)
+    threads = [threading.Thread(target=stream_one, args=(url, p, parameters(max_tokens, adapters[i % len(adapters)]),
+                                                         tokens, i)) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if sum(tokens) != max_tokens * len(prompts):
+        raise RuntimeError(f"Triton streamed {sum(tokens)} tokens, expected {max_tokens * len(prompts)}")
+    return sum(tokens) / elapsed
+
+
+def in_process(engine, prompts: list[str], adapters: list[str], max_tokens: int, tag: str) -> float:
+    """tok/s of the same requests stepped on this thread."""
+    from loraplex.request import SamplingParams
+
+    requests = [engine.make_request(f"{tag}-{i}", p, SamplingParams.from_dict(parameters(max_tokens, adapters[i % len(adapters)])))
+                for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for outs in outputs.values() for o in outs)
+    if produced != max_tokens * len(prompts):
+        raise RuntimeError(f"in-process run generated {produced} tokens, expected {max_tokens * len(prompts)}")
+    return produced / elapsed
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    streams = [int(s) for s in args.streams.split(",")]
+    model_flags, checkpoint, _ = model_and_adapters(argparse.Namespace(model_dir=args.model_dir, model=args.model,
+                                                                       adapters=args.adapters))
+    adapters = args.adapters.split(",")
+    engine_config = json.loads(args.engine_config)
+    server_env = dict(kv.split("=", 1) for kv in args.server_env)
+    work = Path(tempfile.mkdtemp(prefix="triton_overhead-"))
+    saved = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
+    launcher = Launcher(model_flags, engine_config, work / "store", work / "serve.log")
+    launcher.start(ready_timeout=300)
+    for k, v in saved.items():  # the server's settings only
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        warm_up(launcher.http_url, sorted(set(adapters)))
+        import torch
+
+        from loraplex.config import EngineConfig
+        from loraplex.engine import LLMEngine
+        from loraplex.serve import builtin_model
+
+        from loraplex.config import serving_cpu_threads
+
+        torch.set_num_threads(args.threads or serving_cpu_threads() or torch.get_num_threads())
+        _, adapters_dir, _ = builtin_model(args.model) if not args.model_dir else (None, None, None)
+        multi_lora = {n: str(adapters_dir / n) for n in adapters if n != BASE_MODEL} if adapters_dir else {}
+        engine = LLMEngine(EngineConfig.from_dict({"model_dir": str(checkpoint), "multi_lora": multi_lora,
+                                                   **engine_config}))
+        in_process(engine, prompts_for(args.model, 1), adapters, 4, "warm")
+        rows = []
+        for n in streams:
+            prompts = prompts_for(args.model, n)
+            ours = triton = 0.0
+            for k in range(args.repeats):
+                ours = max(ours, in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
+                triton = max(triton, through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
+            rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours})
+            print(f"streams {n:>3}, {torch.get_num_threads()} torch threads in-process: in-process {ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, "
+                  f"Triton / in-process {triton / ours:.2f}", flush=True)
+    finally:
+        launcher.stop()
+    if args.json_path:
+        args.json_path.write_text(json.dumps({"args": vars(args) | {"json_path": str(args.json_path)},
+                                              "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""config.pbtxt's multi_lora.json applies to the base model config.pbtxt names, not to a replacement."""
+
+import json
+
+from loraplex.config import EngineConfig
+from loraplex.triton.model_config import multi_lora_for
+
+
+def repository(tmp_path):
+    model = tmp_path / "lora_llm"
+    (model / "1").mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    (model / "1" / "multi_lora.json").write_text(json.dumps({"demo-a": "../../adapters/demo-a"}))
+    return model, {"parameters": {"model_dir": {"string_value": "../base"}}}
+
+
+def test_the_configured_model_gets_its_adapters(tmp_path):
+    model, config = repository(tmp_path)
+    engine = EngineConfig(model_dir=str(tmp_path / "base"))
+    assert multi_lora_for(config, model, "1", engine) == {"demo-a": str((tmp_path / "adapters" / "demo-a").resolve())}
+
+
+def test_another_base_model_does_not_inherit_them(tmp_path):
+    model, config = repository(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    assert multi_lora_for(config, model, "1", EngineConfig(model_dir=str(tmp_path / "smollm2"))) == {}
