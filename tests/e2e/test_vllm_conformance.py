@@ -21,7 +21,9 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 from tritonserver_fixture import make_triton_server_fixture
 
-triton_server = make_triton_server_fixture()
+# Metrics off in the server, as many deployments run it: the model must serve just the same
+# (vllm_backend's CI runs its models so too); every test of this module shows it does.
+triton_server = make_triton_server_fixture(extra_args=["--allow-metrics=false"])
 
 SAMPLING = {"temperature": "0", "top_p": "1"}  # as their clients send it: values as strings
 PROMPT = "In this example,"
@@ -168,3 +170,12 @@ def test_parameters_as_request_parameters_and_echo_rules(triton_server):
     text = plain[0][0].as_numpy("text_output")[0].decode()
     diff = excluded[0][0].as_numpy("text_output")[0].decode()
     assert text == "The capital of France is" + diff and diff
+
+
+def test_the_server_serves_no_metrics_and_the_model_still_generates(triton_server):
+    import requests
+
+    with pytest.raises(requests.ConnectionError):
+        requests.get(triton_server.metrics_url, timeout=5)
+    responses = infer(triton_server, vllm_inputs(grpcclient, PROMPT, False, SAMPLING), SAMPLING)
+    assert len(responses) == 1 and responses[0][1] is None and responses[0][0].as_numpy("text_output")[0]
