@@ -83,3 +83,27 @@ def test_unsupported_head_dim_is_rejected(cpu):
     with pytest.raises(ValueError, match="head dim"):
         tables = torch.zeros(1, 1, dtype=torch.int32)
         decode_launch.paged_attention_decode(q, kv, kv, tables, torch.tensor([1]), 1.0, runner=cpu)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
+    """The reference's two ways (one matmul for all KV heads, or one per head) give the same
+    attention, for decode and prefill, with NaN in every cache row outside the contexts."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [0, 1, 15, 16, 17, 40]
+    cache = paged_cache(lens, 2, 32, 16, torch.float32, gen)
+    q = randn(len(lens), 2 * group, 32, dtype=torch.float32, gen=gen)
+    counts = torch.tensor([0, 1, 3, 16, 2, 5])
+    cu = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).int()
+    qp = randn(int(cu[-1]), 2 * group, 32, dtype=torch.float32, gen=gen)
+    results = []
+    for limit in (1 << 30, 0):  # everything on the all-heads path, then everything per head
+        monkeypatch.setattr(reference, "_ALL_HEADS_ELEMENTS", limit)
+        decode = reference.paged_attention_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                                  cache.context_lens, 0.2)
+        prefill = reference.paged_attention_prefill(qp, cache.k_cache, cache.v_cache, cache.block_tables, cu,
+                                                    cache.context_lens, 0.2)
+        assert torch.isfinite(decode).all() and torch.isfinite(prefill).all()
+        results.append((decode, prefill))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
