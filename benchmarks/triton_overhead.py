@@ -41,17 +41,18 @@ QUESTIONS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"], help="built-in model (default: smollm2)")
     ap.add_argument("--model-dir", help="any HF checkpoint folder instead of a built-in model")
     ap.add_argument("--adapters", default=BASE_MODEL,
                     help=f"comma-separated adapter names, round-robin over requests ('{BASE_MODEL}' = none)")
     ap.add_argument("--streams", default="1,16", help="comma-separated concurrent request counts")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (greedy, ignore_eos)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of each side, alternated (in-process, Triton, in-process, ...); the best is reported")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads in-process (default: what the server picks, engine knob cpu_threads = 0)")
-    ap.add_argument("--server-env", action="append", default=[], metavar="K=V")
+    ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
+                    help="an environment variable of the server only (repeatable), e.g. OMP_NUM_THREADS=2")
     ap.add_argument("--engine-config", default="{}", help="engine knobs (JSON) for both")
     ap.add_argument("--json", dest="json_path", type=Path)
     return ap.parse_args(argv)
@@ -120,49 +121,59 @@ def in_process(engine, prompts: list[str], adapters: list[str], max_tokens: int,
     return produced / elapsed
 
 
+def start_server(model_flags: list[str], engine_config: dict, work: Path, server_env: dict) -> Launcher:
+    """`loraplex-serve` on free ports, with server_env added to the environment it starts with."""
+    saved = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
+    try:
+        return Launcher(model_flags, engine_config, work / "store", work / "serve.log").start(ready_timeout=300)
+    finally:
+        for k, v in saved.items():  # the server's settings only, not this process's
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
+    adapters = args.adapters.split(",")
+    if args.model_dir and adapters != [BASE_MODEL]:
+        raise SystemExit("triton_overhead.py: --adapters needs a built-in model (--model)")
     model_flags, checkpoint, _ = model_and_adapters(argparse.Namespace(model_dir=args.model_dir, model=args.model,
                                                                        adapters=args.adapters))
-    adapters = args.adapters.split(",")
     engine_config = json.loads(args.engine_config)
     server_env = dict(kv.split("=", 1) for kv in args.server_env)
-    work = Path(tempfile.mkdtemp(prefix="triton_overhead-"))
-    saved = {k: os.environ.get(k) for k in server_env}
-    os.environ.update(server_env)
-    launcher = Launcher(model_flags, engine_config, work / "store", work / "serve.log")
-    launcher.start(ready_timeout=300)
-    for k, v in saved.items():  # the server's settings only
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    try:
-        warm_up(launcher.http_url, sorted(set(adapters)))
-        import torch
 
-        from loraplex.config import EngineConfig
-        from loraplex.engine import LLMEngine
-        from loraplex.serve import builtin_model
+    import torch
 
-        from loraplex.config import serving_cpu_threads
+    from loraplex.config import EngineConfig, serving_cpu_threads
+    from loraplex.engine import LLMEngine
+    from loraplex.serve import builtin_model
 
-        torch.set_num_threads(args.threads or serving_cpu_threads() or torch.get_num_threads())
-        _, adapters_dir, _ = builtin_model(args.model) if not args.model_dir else (None, None, None)
-        multi_lora = {n: str(adapters_dir / n) for n in adapters if n != BASE_MODEL} if adapters_dir else {}
-        engine = LLMEngine(EngineConfig.from_dict({"model_dir": str(checkpoint), "multi_lora": multi_lora,
-                                                   **engine_config}))
-        in_process(engine, prompts_for(args.model, 1), adapters, 4, "warm")
-        rows = []
-        for n in streams:
-            prompts = prompts_for(args.model, n)
-            ours = triton = 0.0
-            for k in range(args.repeats):
-                ours = max(ours, in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
-                triton = max(triton, through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
-            rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours})
-            print(f"streams {n:>3}, {torch.get_num_threads()} torch threads in-process: in-process {ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, "
-                  f"Triton / in-process {triton / ours:.2f}", flush=True)
-    finally:
-        launcher.stop()
+    with tempfile.TemporaryDirectory(prefix="triton_overhead-") as work:
+        launcher = start_server(model_flags, engine_config, Path(work), server_env)
+        try:
+            warm_up(launcher.http_url, sorted(set(adapters)))
+            torch.set_num_threads(args.threads or serving_cpu_threads() or torch.get_num_threads())
+            multi_lora = {}
+            if not args.model_dir:
+                adapters_dir = builtin_model(args.model)[1]
+                multi_lora = {n: str(adapters_dir / n) for n in adapters if n != BASE_MODEL}
+            engine = LLMEngine(EngineConfig.from_dict({"model_dir": str(checkpoint), "multi_lora": multi_lora,
+                                                       **engine_config}))
+            in_process(engine, prompts_for(args.model, 1), adapters, 4, "warm")
+            rows = []
+            for n in streams:
+                prompts = prompts_for(args.model, n)
+                ours = triton = 0.0
+                for k in range(args.repeats):
+                    ours = max(ours, in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
+                    triton = max(triton, through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
+                rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours})
+                print(f"streams {n:>3}, {torch.get_num_threads()} torch threads in-process: in-process "
+                      f"{ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, Triton / in-process {triton / ours:.2f}",
+                      flush=True)
+        finally:
+            launcher.stop()
     if args.json_path:
         args.json_path.write_text(json.dumps({"args": vars(args) | {"json_path": str(args.json_path)},
                                               "rows": rows}, indent=2))
