@@ -329,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the server to become ready")
+    ap.add_argument("--exit-timeout", type=int, default=TritonServer.exit_timeout_secs,
+                    help="seconds requests in flight get to finish once the server is stopped (tritonserver "
+                         "--exit-timeout-secs); what is left then ends with UNAVAILABLE, and the server's process "
+                         "group is killed exit-timeout + 5 s after the stop signal")
     ap.add_argument("--quiet", action="store_true", help="do not stream the server log")
     return ap
 
@@ -390,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         env=engine_env(model_dir, store, args.engine_config, args.tenants_file),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
+        exit_timeout_secs=args.exit_timeout,
     )
     gateway = None
     if args.openai_port:

@@ -246,12 +246,19 @@ def test_serve_stop_finishes_through_repeated_signals(tmp_path, demo):
 
 
 def test_killed_serve_takes_its_server_and_stubs_along(tmp_path, demo):
-    """SIGKILL to loraplex-serve under load: within exit timeout + 20 s nothing of ours is left."""
-    with launcher_under_load(tmp_path, demo["model"]) as (launcher, server, streams):
+    """SIGKILL to loraplex-serve under load: within exit timeout + 20 s nothing of ours is left.
+
+    With --exit-timeout 3, which reaches tritonserver's command line and the guard's deadline.
+    """
+    exit_timeout = 3
+    with launcher_under_load(tmp_path, demo["model"], extra_args=["--exit-timeout", str(exit_timeout)]) as \
+            (launcher, server, streams):
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--exit-timeout-secs") + 1] == str(exit_timeout).encode()
         sessions = launcher.sessions()
         regions = [shm_region(p.pid) for p in descendants(server.pid) if p.comm == STUB_COMM]
         launcher.kill()
-        wait_gone(sessions, timeout=SERVE_EXIT_TIMEOUT + 20)  # the guard ends the group after exit timeout + 5 s
+        wait_gone(sessions, timeout=exit_timeout + 20)  # the guard ends the group after exit timeout + 5 s
         wait_ended(streams, timeout=5)
         for s in streams:
             kind, _, text = s.only_ending()

@@ -218,12 +218,12 @@ class Launcher:
             self.proc.wait()
 
 
-def start_launcher(tmp: Path, model_dir: str | os.PathLike) -> Launcher:
+def start_launcher(tmp: Path, model_dir: str | os.PathLike, extra_args: Sequence[str] = ()) -> Launcher:
     """``loraplex-serve --quiet`` on free ports with ``model_dir`` and an empty adapter store in ``tmp``."""
     http, grpc, metrics = free_ports(3)
     cmd = [str(Path(sys.executable).with_name("loraplex-serve")), "--quiet", "--model-dir", str(model_dir),
            "--adapter-store", str(tmp / "adapters"), "--address", "127.0.0.1",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), *extra_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out, err = tmp / "serve.out", tmp / "serve.err"
     with open(out, "wb") as o, open(err, "wb") as e:
@@ -307,12 +307,12 @@ def start_streams(url: str, n: int, max_tokens: int = 1000, prefix: str = "in fl
 
 
 @contextmanager
-def launcher_under_load(tmp: Path, model_dir: str | os.PathLike, n: int = 3):
+def launcher_under_load(tmp: Path, model_dir: str | os.PathLike, n: int = 3, extra_args: Sequence[str] = ()):
     """``loraplex-serve`` serving ``n`` long streams: yields (launcher, its tritonserver, the streams).
 
     On the way out the launcher is SIGKILLed if it still runs (its guard then ends the server).
     """
-    launcher = start_launcher(tmp, model_dir)
+    launcher = start_launcher(tmp, model_dir, extra_args)
     streams: list[Stream] = []
     try:
         server = launcher.wait_serving()
