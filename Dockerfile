@@ -109,8 +109,8 @@ RUN groupadd --system --gid 10001 loraplex \
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder --chown=loraplex:loraplex /opt/loraplex-cache /var/cache/loraplex
 
-# loraplex-serve finds the model repository and the demo adapters in its working directory when it
-# runs from an installed wheel (there is no source checkout beside the package).
+# loraplex-serve finds the model repository and the demo adapters under $LORAPLEX_HOME (set below;
+# an installed wheel has no source checkout beside it), whatever the working directory.
 WORKDIR /opt/loraplex
 COPY model_repository model_repository
 COPY demo_adapters demo_adapters
@@ -122,6 +122,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
     LD_LIBRARY_PATH=/opt/venv/lib/python3.12/site-packages/nvidia/cuda_nvrtc/lib:$LD_LIBRARY_PATH \
     LORAPLEX_TRITON_ROOT=/opt/tritonserver \
+    LORAPLEX_HOME=/opt/loraplex \
     LORAPLEX_CACHE_DIR=/var/cache/loraplex \
     CUPY_CACHE_DIR=/var/cache/loraplex/cupy \
     HF_HUB_OFFLINE=1 \

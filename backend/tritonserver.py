@@ -63,7 +63,10 @@ class TritonInstall:
 
 
 def project_root() -> Path:
-    """The source checkout this module lives in (else the current directory)."""
+    """Where `model_repository/` and `demo_adapters/` are: ``$LORAPLEX_HOME``, else the source
+    checkout this module lives in, else (an installed wheel) the current directory."""
+    if os.environ.get("LORAPLEX_HOME"):
+        return Path(os.environ["LORAPLEX_HOME"])
     here = Path(__file__).resolve().parent.parent
     if (here / "pyproject.toml").is_file():
         return here

@@ -1,4 +1,4 @@
-"""config.pbtxt's multi_lora.json applies to the base model config.pbtxt names, not to a replacement."""
+"""Where the model repository is, and whose adapters its multi_lora.json lists."""
 
 import json
 
@@ -24,3 +24,12 @@ def test_another_base_model_does_not_inherit_them(tmp_path):
     model, config = repository(tmp_path)
     (tmp_path / "smollm2").mkdir()
     assert multi_lora_for(config, model, "1", EngineConfig(model_dir=str(tmp_path / "smollm2"))) == {}
+
+
+def test_loraplex_home_names_the_project_root(monkeypatch, tmp_path):
+    from loraplex.tritonserver import project_root
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    assert project_root() == tmp_path
+    monkeypatch.delenv("LORAPLEX_HOME")
+    assert (project_root() / "pyproject.toml").is_file()  # the source checkout
