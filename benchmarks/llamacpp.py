@@ -58,7 +58,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -67,10 +66,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from loraplex.processes import answers_ok, start_in_session
 from loraplex.tritonserver import free_ports
 from serving import BASE_MODEL, Launcher, model_and_adapters, warm_up
-from triton_overhead import QUESTIONS, parameters, prompts_for, through_triton
+from triton_overhead import QUESTIONS, concurrently, parameters, prompts_for, through_triton
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its CHANGELOG: llama.cpp at ggml-org/llama.cpp@0c1e57098
 CACHE = ROOT / ".cache" / "llamacpp"
@@ -199,7 +197,9 @@ def make_ggufs(src: Path, cache: Path, version: str, checkpoint: Path, adapters_
 
 
 class LlamaServer(Launcher):
-    """One `llama-server` in its own process group on a free port; stops like our Launcher."""
+    """One `llama-server` in its own process group on a free port; starts and stops like our Launcher."""
+
+    NAME, READY_PATH = "llama-server", "/health"  # /health answers 200 once the model is loaded
 
     def __init__(self, binary: Path, model: Path, loras: list[Path], threads: int, slots: int, ctx_per_seq: int,
                  log_path: Path):
@@ -212,19 +212,6 @@ class LlamaServer(Launcher):
             self.command += ["--lora", str(lora)]
         self.log_path = log_path
         self.proc = None
-
-    def start(self, ready_timeout: float) -> LlamaServer:
-        """Start it and wait until /health answers 200 (the model is loaded)."""
-        with open(self.log_path, "wb") as out:
-            self.proc = start_in_session(self.command, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout
-        while not answers_ok(f"{self.http_url}/health"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"llama-server did not become ready; log {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            time.sleep(0.5)
-        return self
 
 
 # -- clients ---------------------------------------------------------------------------------------
@@ -261,14 +248,8 @@ def through_llama(url: str, prompts: list[str], adapters: list[str], max_tokens:
     ``decode_rates`` gets each request's decode-only tokens/s from llama-server's own timings.
     """
     tokens, rates = [0] * len(prompts), [0.0] * len(prompts)
-    threads = [threading.Thread(target=llama_one, args=(url, p, max_tokens, adapters[i % len(adapters)], tokens,
-                                                        rates, i)) for i, p in enumerate(prompts)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    elapsed = concurrently(llama_one, [(url, p, max_tokens, adapters[i % len(adapters)], tokens, rates, i)
+                                       for i, p in enumerate(prompts)])
     if sum(tokens) != max_tokens * len(prompts):
         raise RuntimeError(f"llama-server generated {sum(tokens)} tokens, expected {max_tokens * len(prompts)}")
     if decode_rates is not None:

@@ -200,15 +200,17 @@ class Launcher:
         """Triton's Prometheus endpoint."""
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
+    NAME, READY_PATH = "loraplex-serve", "/v2/health/ready"  # what it is, and the URL that answers once it serves
+
     def start(self, ready_timeout: float) -> "Launcher":
-        """Start the launcher and wait until Triton answers /v2/health/ready."""
+        """Start it and wait until READY_PATH answers (Triton: /v2/health/ready)."""
         with open(self.log_path, "wb") as log:
             self.proc = start_in_session(self.command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout
-        while not answers_ok(f"{self.http_url}/v2/health/ready"):
+        while not answers_ok(f"{self.http_url}{self.READY_PATH}"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"loraplex-serve did not become ready; log {self.log_path}:\n"
+                raise RuntimeError(f"{self.NAME} did not become ready; log {self.log_path}:\n"
                                    + self.log_path.read_text(errors="replace")[-3000:])
             time.sleep(0.5)
         return self

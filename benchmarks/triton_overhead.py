@@ -90,17 +90,22 @@ def stream_one(url: str, prompt: str, params: dict, tokens: list, index: int) ->
     tokens[index] = count
 
 
-def through_triton(url: str, prompts: list[str], adapters: list[str], max_tokens: int) -> float:
-    """tok/s of len(prompts) concurrent streams."""
-    tokens = [0] * len(prompts)
-    threads = [threading.Thread(target=stream_one, args=(url, p, parameters(max_tokens, adapters[i % len(adapters)]),
-                                                         tokens, i)) for i, p in enumerate(prompts)]
+def concurrently(target, args_list: list[tuple]) -> float:
+    """Seconds for target(*args) of every entry, each on its own thread, all started together."""
+    threads = [threading.Thread(target=target, args=args) for args in args_list]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def through_triton(url: str, prompts: list[str], adapters: list[str], max_tokens: int) -> float:
+    """tok/s of len(prompts) concurrent streams."""
+    tokens = [0] * len(prompts)
+    elapsed = concurrently(stream_one, [(url, p, parameters(max_tokens, adapters[i % len(adapters)]), tokens, i)
+                                        for i, p in enumerate(prompts)])
     if sum(tokens) != max_tokens * len(prompts):
         raise RuntimeError(f"Triton streamed {sum(tokens)} tokens, expected {max_tokens * len(prompts)}")
     return sum(tokens) / elapsed
