@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass, field
 
 
+STOP_FILE_ENV = "LORAPLEX_STOP_FILE"  # a file the launcher creates when it stops the server (TritonServer.stop_file)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine settings; see docs/configuration.md for what each knob does."""

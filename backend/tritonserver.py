@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from . import processes as procs
+from .config import STOP_FILE_ENV
 from .processes import (GUARD_DONE, STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions,
                         processes, start_in_session, unlink_shm)
 
@@ -342,7 +343,8 @@ class TritonServer:
         self.log_path = Path(self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command(backends)
-        env = server_env(self.install, self.env)
+        self.stop_file.unlink(missing_ok=True)  # a previous run's
+        env = server_env(self.install, {**(self.env or {}), STOP_FILE_ENV: str(self.stop_file)})
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_scanned, self._signalled = self._log_file.tell(), False
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -357,6 +359,16 @@ class TritonServer:
             self.stop(grace=0)
             raise
         return self
+
+    @property
+    def stop_file(self) -> Path:
+        """Created when this server is being stopped; the model ends what it holds when it appears.
+
+        Triton tells a decoupled model nothing before its exit timeout, and the model's
+        readiness poll cannot tell a shutdown that starts right after its load from the load
+        itself; this file can.
+        """
+        return Path(self.log_path).with_suffix(".stopping")
 
     def is_ready(self) -> bool:
         """Whether ``/v2/health/ready`` answers 200 right now."""
@@ -482,6 +494,7 @@ class TritonServer:
         if proc is None or self._stopped:
             return None if proc is None else proc.returncode
         try:
+            self.stop_file.touch()  # first: the model ends its streams while Triton can still deliver the ends
             regions = self._regions | (group_shm_regions(proc.pid) if self._group_alive() else set())
             if proc.poll() is None:
                 try:
@@ -500,6 +513,7 @@ class TritonServer:
                 pass
             self._stopped = True
             self._regions.clear()
+            self.stop_file.unlink(missing_ok=True)
             return proc.returncode
         finally:
             self._release_guard()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from ..config import serving_cpu_threads
+from ..config import STOP_FILE_ENV, serving_cpu_threads
 from ..engine import LLMEngine
 from ..metrics import OTHER_TENANTS
 from ..tenancy import TenantResolver
@@ -65,17 +65,25 @@ class TritonPythonModel:
         has expired and then exits without it; polling readiness lets the streams end cleanly.
         """
         was_ready = False
+        stop_file = os.environ.get(STOP_FILE_ENV)  # set by a launcher (loraplex-serve, the test fixtures)
         while not self._finalizing.wait(UNLOAD_POLL_SECONDS if was_ready else 0.05):  # ready within ms of start
+            if stop_file and os.path.exists(stop_file):
+                log.info("the server is being stopped (%s): ending the requests model %s holds", stop_file, name)
+                break
             try:
                 ready = pb_utils.is_model_ready(name, version)
             except Exception as exc:  # noqa: BLE001 - a stopping server answers "Server not ready"
                 ready = False if "not ready" in str(exc).lower() else None
+                if ready is None:
+                    log.warning("is_model_ready(%s) failed: %s", name, exc)
             if ready:
                 was_ready = True
             elif ready is False and was_ready:
                 log.info("model %s is being unloaded: ending the requests it holds", name)
-                self.responder.push(self.engine.shutdown())
-                return
+                break
+        else:
+            return  # finalize() ends them
+        self.responder.push(self.engine.shutdown())
 
     def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -74,3 +74,19 @@ def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_t
             pytest.fail(f"loraplex-serve still runs {BOUND}s after its server was stopped:\n{launcher.stderr()}")
         assert rc == 1  # it stops with its server
         wait_gone(sessions, timeout=10)
+
+
+def test_the_stop_file_ends_each_in_flight_stream_with_the_shutdown_error(tmp_path, demo):
+    """The launcher's stop file alone (no signal yet) makes the model end what it holds, each stream once."""
+    with launcher_under_load(tmp_path, demo["model"], n=2) as (launcher, server, streams):
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        stop_file = next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"LORAPLEX_STOP_FILE="))
+        stop_file = Path(stop_file.decode())
+        stop_file.touch()
+        try:
+            wait_ended(streams, timeout=10)  # the model polls it every second
+            for s in streams:
+                kind, _, text = s.only_ending()
+                assert kind == "error" and "the model is shutting down" in text, text
+        finally:
+            stop_file.unlink(missing_ok=True)  # the launcher is SIGKILLed on the way out: nobody else removes it
