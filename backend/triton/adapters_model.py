@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from ..metrics import UPLOADS, TenantLabels
 from ..request import InvalidRequest
 from ..tenancy import TenantResolver
-from .metrics_publisher import TritonMetrics, metrics_enabled
+from .metrics_publisher import make_metrics
 from .model_config import engine_config_from_model_config
 
 log = logging.getLogger("loraplex.triton.adapters")
@@ -94,12 +94,7 @@ class TritonPythonModel:
         self._store = None
         self._hf_config = None
         self.tenant_labels = TenantLabels(self.config.max_metric_tenants)
-        self.metrics = None
-        if metrics_enabled(model_config):
-            try:
-                self.metrics = TritonMetrics(pb_utils, args["model_name"], args["model_version"], (UPLOADS,))
-            except Exception:  # noqa: BLE001 - serving without metrics beats not serving
-                log.exception("custom metrics are unavailable; serving without them")
+        self.metrics = make_metrics(pb_utils, model_config, args["model_name"], args["model_version"], (UPLOADS,))
         log.info("lora_adapters ready: adapter store %s", self.config.adapter_store or "(none: uploads disabled)")
 
     def _store_now(self):

@@ -28,13 +28,27 @@ def metrics_enabled(model_config: dict) -> bool:
     return value.strip().lower() not in ("false", "0", "no", "off")
 
 
+def make_metrics(pb_utils, model_config: dict, model: str, version: str,
+                 families: tuple[Family, ...] = FAMILIES) -> "TritonMetrics | None":
+    """A model's metric families; None when REPORT_CUSTOM_METRICS is false or Triton refuses them
+    (the model then serves without metrics)."""
+    if not metrics_enabled(model_config):
+        return None
+    try:
+        return TritonMetrics(pb_utils, model, version, families)
+    except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+        log.exception("custom metrics are unavailable; serving without them")
+        return None
+
+
 def start_publisher(pb_utils, model_config: dict, model: str, version: str, engine) -> "MetricsPublisher | None":
-    """The engine's metrics publisher, started and hooked to its loop; None when REPORT_CUSTOM_METRICS is false
-    or the families cannot be made (the model then serves without metrics, and records no observations)."""
+    """The engine's metrics publisher, started and hooked to its loop; None without metrics (make_metrics),
+    and then the engine records no observations."""
+    metrics = make_metrics(pb_utils, model_config, model, version)
     publisher = None
-    if metrics_enabled(model_config):
+    if metrics is not None:
         try:
-            publisher = MetricsPublisher(TritonMetrics(pb_utils, model, version), engine.stats)
+            publisher = MetricsPublisher(metrics, engine.stats)
             publisher.start(engine)
         except Exception:  # noqa: BLE001 - serving without metrics beats not serving
             log.exception("custom metrics are unavailable; serving without them")
