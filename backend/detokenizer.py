@@ -48,7 +48,8 @@ class IncrementalDetokenizer:
     incomplete UTF-8 sequence is held back until the next token completes it, as vLLM does.
     """
 
-    __slots__ = ("_decode", "_stream", "_fed", "prefix_offset", "read_offset", "text", "stops", "hold", "stopped")
+    __slots__ = ("_decode", "_stream", "_fed", "prefix_offset", "read_offset", "text", "stops", "hold", "stopped",
+                 "ids")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], skip_special: bool = True):
         self._decode = decoder_of(tokenizer, skip_special)
@@ -66,11 +67,21 @@ class IncrementalDetokenizer:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop
         self.stopped = False  # a stop string matched: the text ends before it
+        self.ids = list(prompt_ids)  # prompt + output tokens pushed so far (push / finish)
 
-    def update(self, token_ids: list[int], final: bool = False) -> str | None:
-        """Account for the newest token(s); returns the matched stop string, if any."""
+    def push(self, token: int, match_stops: bool = True) -> str | None:
+        """Account for one new output token; returns the matched stop string, if any (only with match_stops)."""
+        self.ids.append(token)
+        return self.update(self.ids, match_stops=match_stops)
+
+    def finish(self) -> None:
+        """flush() over the pushed tokens."""
+        self.flush(self.ids)
+
+    def update(self, token_ids: list[int], final: bool = False, match_stops: bool = True) -> str | None:
+        """Account for the newest token(s); returns the matched stop string, if any (only with match_stops)."""
         if self._stream is not None and not final:
-            return self._step_stream(token_ids)
+            return self._step_stream(token_ids, match_stops)
         prefix_text = self._decode(token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
@@ -78,9 +89,9 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return self._match_stop(start)
+        return self._match_stop(start) if match_stops else None
 
-    def _step_stream(self, token_ids: list[int]) -> str | None:
+    def _step_stream(self, token_ids: list[int], match_stops: bool) -> str | None:
         backend, stream = self._stream
         pieces, done = [], self.read_offset
         for i in range(self._fed, len(token_ids)):
@@ -94,9 +105,11 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += "".join(pieces)
         self.prefix_offset, self.read_offset = self.read_offset, done  # the window flush() decodes from
-        return self._match_stop(start)
+        return self._match_stop(start) if match_stops else None
 
     def _match_stop(self, start: int) -> str | None:
+        if not self.stops:
+            return None
         for stop in self.stops:
             at = self.text.find(stop, max(0, start - len(stop) + 1))
             if at != -1:

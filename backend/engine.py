@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
 from .engine_stats import EngineStats
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
@@ -27,6 +26,7 @@ from .metrics import TenantLabels
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel
 from .models.loader import load_hf_config
+from .output_processor import ErrorEvent, OutputProcessor
 from .request import (
     EngineOverloaded, EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
     SamplingParams, Sequence, SeqStatus,
@@ -98,6 +98,7 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
         self.on_outputs = on_outputs
+        self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed)
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
         self._inbox: deque = deque()
         self._wake = threading.Event()
@@ -250,9 +251,23 @@ class LLMEngine:
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def _stop_sequence(self, seq: Sequence) -> None:
+        """The output processor matched a stop string: end the sample (its final output is sent)."""
+        self._inbox.append(("stop", seq))
+        self._wake.set()
+
+    def _output_failed(self, request: Request, exc: Exception) -> None:
+        """The output processor could not make a request's output: fail it with its one error output."""
+        self._inbox.append(("fail", (request, exc)))
+        self._wake.set()
+
     # ---- loop thread -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit and abort, run one iteration of the batch, return the outputs it produced.
+        """One iteration (``step_events``) and its outputs, detokenized on the calling thread."""
+        return self.processor.process(self.step_events())
+
+    def step_events(self) -> list:
+        """Admit and abort, run one iteration of the batch, return its events for the output processor.
 
         A failure belongs to the requests it came from: a newcomer that breaks the forward
         pass is retried alone and then failed; a batch whose forward fails without
@@ -267,7 +282,7 @@ class LLMEngine:
             if seq.request.scheduled_time is None:
                 self.stats.start(seq.request, now)
         if batch.finished:
-            outputs += self._outputs(batch.finished)
+            self._events(batch.finished, outputs, new_tokens=False)
         if batch.empty:
             return outputs
         forward_start = time.perf_counter()
@@ -287,12 +302,12 @@ class LLMEngine:
             outputs += self._fail_request(seq.request, exc)
         changed = self.scheduler.update(batch, result)
         self.num_steps += 1
-        outputs += self._outputs(changed)
+        self._events(changed, outputs, new_tokens=True)
         self.stats.step(len(batch.seqs), sum(batch.num_new_tokens),
                         time.perf_counter() - start - (forward_end - forward_start))
         return outputs
 
-    def _forward(self, batch, outputs: list[RequestOutput]):
+    def _forward(self, batch, outputs: list):
         """Run the batch; if it raises, retry it without this step's newcomers (None: nothing left to run)."""
         try:
             result = self.runner.execute(batch)
@@ -320,7 +335,7 @@ class LLMEngine:
         """Anything a step can do now."""
         return bool(self._inbox) or self.scheduler.has_work()
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self) -> list:
         outputs = []
         while self._inbox:
             kind, item = self._inbox.popleft()
@@ -329,20 +344,39 @@ class LLMEngine:
                     outputs += self._admit_request(item)
                 finally:
                     self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
+            elif kind == "stop":
+                self._stop_sample(item)
+            elif kind == "fail":
+                outputs += self._fail_output(*item)
             else:
                 outputs += self._abort_request(item)
         return outputs
 
-    def _admit_request(self, request: Request) -> list[RequestOutput]:
+    def _stop_sample(self, seq: Sequence) -> None:
+        """End a sample the output processor stopped (a stop string); it sent the final output."""
+        if seq.status is SeqStatus.FINISHED:
+            return  # ended meanwhile (its length, its request failed): that output was dropped
+        self.scheduler.remove(seq, FinishReason.STOP)
+        if self._all_finished(seq):
+            self._requests.pop(seq.request.request_id, None)
+            self._ended(seq.request, FinishReason.STOP.value)
+
+    def _fail_output(self, request: Request, exc: Exception) -> list:
+        """A request whose output failed: its error output (the processor dropped its deltas since)."""
+        if request.request_id in self._requests:
+            return self._fail_request(request, exc)
+        return [ErrorEvent(request, RequestOutput(request.request_id, 0, "", [], True, "error", error=exc))]
+
+    def _admit_request(self, request: Request) -> list:
         if request.request_id in self._cancelled_loading:
             self._cancelled_loading.discard(request.request_id)
-            return [self._error_output(request, RequestCancelled("Request was cancelled"), "abort")]
+            return [self._error_event(request, RequestCancelled("Request was cancelled"), "abort")]
         try:
             seqs = self._new_sequences(request)
         except Exception as exc:  # noqa: BLE001 - e.g. its adapter broke on disk since validation
             if not isinstance(exc, (AdapterError, AdapterNotFound, InvalidRequest)):
                 log.exception("request %s failed at admission", request.request_id)
-            return [self._error_output(request, exc)]
+            return [self._error_event(request, exc)]
         self.scheduler.add(seqs[0])
         self._requests[request.request_id] = seqs
         return []
@@ -362,93 +396,82 @@ class LLMEngine:
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)
         seqs = []
+        request.open_samples = params.n
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request, index, list(request.prompt_token_ids), len(request.prompt_token_ids))
             seq.namespace = namespace
             seq.generator = make_generator(params, index, self.device)
-            seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
             seqs.append(seq)
         seqs[0].forks = seqs[1:]  # n > 1: forked from sample 0 after its prefill (copy-on-write)
         return seqs
 
-    def _abort_request(self, request_id: str) -> list[RequestOutput]:
+    def _abort_request(self, request_id: str) -> list:
         seqs = self._requests.get(request_id)
         if seqs is None:
             return []
         return self._fail_request(seqs[0].request, RequestCancelled("Request was cancelled"), "abort")
 
-    def _make_output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.status is SeqStatus.FINISHED
-        if finished:
-            seq.detok.flush(seq.token_ids)
-        end = seq.detok.stable_length(finished)
-        text = seq.detok.text[seq.num_sent_chars : end]
-        seq.num_sent_chars = max(end, seq.num_sent_chars)
-        new_ids = seq.output_token_ids[seq.num_sent_tokens :]
-        seq.num_sent_tokens = seq.num_output_tokens
-        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
-        request = seq.request
-        label = request.metric_label
-        self.generated_tokens[label] = self.generated_tokens.get(label, 0) + len(new_ids)
-        if new_ids and request.last_token_time != self._step_time:  # once per step per request (n > 1)
-            if request.first_token_time is None:
-                self.stats.first_token(request, self._step_time)
-            request.last_token_time = self._step_time
-            request.token_steps += 1
-        self.quotas.served(seq.request, len(new_ids))
-        output = RequestOutput(
-            request_id=seq.request.request_id,
-            index=seq.index,
-            text=text,
-            token_ids=new_ids,
-            finished=finished,
-            finish_reason=seq.finish_reason.value if finished else None,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=logprobs if seq.request.params.logprobs is not None else None,
-            num_input_tokens=seq.num_prompt_tokens,
-        )
-        if finished and self._all_finished(seq):
-            self._requests.pop(seq.request.request_id, None)
-            self._ended(seq.request, seq.finish_reason.value)
-        return output
+    def _events(self, seqs: list[Sequence], events: list, new_tokens: bool) -> None:
+        """A token delta per changed sequence (with its newest token, counted, if new_tokens), or its request's error once.
 
-    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Deltas of changed sequences; a sequence with an error (or whose output fails) fails its request once."""
-        outputs, failed = [], set()
+        A sequence that finished ends its request when it was the last sample; the text,
+        stop strings and RequestOutputs are the output processor's.
+        """
+        now = self._step_time
+        generated, served, failed = self.generated_tokens, self.quotas.served, None
         for seq in seqs:
-            request_id = seq.request.request_id
-            if request_id in failed:
+            request = seq.request
+            if seq.error is not None or (failed and request.request_id in failed):
+                if failed is None:
+                    failed = set()
+                if request.request_id not in failed:
+                    failed.add(request.request_id)
+                    events += self._fail_request(request, seq.error)
                 continue
-            try:
-                if seq.error is None:
-                    outputs.append(self._make_output(seq))
-                    continue
-                exc = seq.error
-            except Exception as error:  # noqa: BLE001 - e.g. the final detokenization raised
-                exc = error
-            failed.add(request_id)
-            outputs += self._fail_request(seq.request, exc)
-        return outputs
+            finished = seq.status is SeqStatus.FINISHED
+            token = None
+            if new_tokens:
+                token = seq.token_ids[-1]
+                label = request.metric_label
+                generated[label] = generated.get(label, 0) + 1
+                if request.last_token_time != now:  # once per step per request (n > 1)
+                    if request.first_token_time is None:
+                        self.stats.first_token(request, now)
+                    request.last_token_time = now
+                    request.token_steps += 1
+                if request.limits is not None:
+                    served(request, 1)
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+            events.append((seq, token, seq.finish_reason if finished else None, seq.cumulative_logprob, logprobs))
+            if finished and self._all_finished(seq):
+                self._requests.pop(request.request_id, None)
+                self._ended(request, seq.finish_reason.value)
 
-    def _fail_request(self, request: Request, exc: Exception, reason: str = "error") -> list[RequestOutput]:
-        """End a request the engine holds with one error output, freeing its blocks and pins ([] if it ended)."""
+    def _fail_request(self, request: Request, exc: Exception, reason: str = "error") -> list:
+        """End a request the engine holds with one error event, freeing its blocks and pins ([] if it ended)."""
         seqs = self._requests.pop(request.request_id, None)
         if seqs is None:
             return []
         for seq in seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.remove(seq, FinishReason.ABORT)
-        return [self._error_output(request, exc, reason)]
+        return [self._error_event(request, exc, reason)]
 
-    def _fail_held(self, exc: Exception) -> list[RequestOutput]:
-        """One error output for every request the engine holds, without touching the scheduler."""
+    def _fail_held(self, exc: Exception) -> list[ErrorEvent]:
+        """One error event for every request the engine holds, without touching the scheduler."""
         held, self._requests = self._requests, {}
-        return [self._error_output(seqs[0].request, exc) for seqs in held.values()]
+        return [self._error_event(seqs[0].request, exc) for seqs in held.values()]
 
     def _error_output(self, request: Request, exc: Exception, reason: str = "error") -> RequestOutput:
         """The one final output of a request that ends in an error."""
         self._ended(request, reason, exc)
         return RequestOutput(request.request_id, 0, "", [], True, finish_reason=reason, error=exc)
+
+    def _error_event(self, request: Request, exc: Exception, reason: str = "error") -> ErrorEvent:
+        """_error_output for the output processor."""
+        return ErrorEvent(request, self._error_output(request, exc, reason))
 
     def _ended(self, request: Request, reason: str, exc: Exception | None = None) -> None:
         """Once per request, however it ended: count it, return its quota and adapter-version uses."""
@@ -473,7 +496,7 @@ class LLMEngine:
             except BaseException as exc:  # noqa: BLE001 - the loop thread must never die
                 log.exception("engine loop failed; failing every request it held and resetting its state")
                 try:
-                    self._emit(self._recover(exc))
+                    self.processor.submit(self._recover(exc))
                 except BaseException:  # noqa: BLE001
                     log.exception("engine recovery failed; retrying")
                 time.sleep(0.05)  # never spin if the failure repeats
@@ -485,18 +508,14 @@ class LLMEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self._emit(self.step())
+            self.processor.submit(self.step_events())
             if self.on_step is not None:
                 try:
                     self.on_step(self)
                 except Exception:  # noqa: BLE001 - metrics must never stop serving
                     log.exception("on_step hook failed")
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        if outputs and self.on_outputs is not None:
-            self.on_outputs(outputs)
-
-    def _recover(self, exc: BaseException) -> list[RequestOutput]:
+    def _recover(self, exc: BaseException) -> list[ErrorEvent]:
         """Fail every request the engine holds without trusting its state, then start from a clean one."""
         error = exc if isinstance(exc, Exception) else RuntimeError(f"engine loop failed: {exc!r}")
         outputs = self._fail_held(error)
@@ -517,7 +536,7 @@ class LLMEngine:
             self.stop(timeout=30.0)
             self.preloader.close()  # reads in flight deliver their requests to the inbox, drained below
             error = EngineShuttingDown("the model is shutting down; the request did not finish")
-            outputs = self._fail_held(error)
+            outputs = [e.output for e in self._fail_held(error) if not e.request.output_ended]  # not a 2nd final
             with self._accept_lock:  # with the preloader's hand-over: each request is ended here once
                 queued = [item for kind, item in self._inbox if kind == "add"]
                 self._inbox.clear()
@@ -526,16 +545,22 @@ class LLMEngine:
             return outputs + [self._error_output(request, error) for request in queued]
 
     def start(self) -> None:
-        """Start the loop thread."""
+        """Start the loop thread and the output processor's; outputs go to on_outputs."""
+        self.processor.start(self._deliver)
         self._thread = threading.Thread(target=self.run_loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the loop thread."""
+        """Stop the loop thread, then the output processor's once it has delivered what the loop handed it."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.processor.stop(timeout)
 
     def generate(self, requests: list[Request], max_steps: int = 100_000) -> dict[str, list[RequestOutput]]:
         """Run requests to completion on the calling thread (tests, benchmarks); outputs per request id."""

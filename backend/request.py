@@ -243,6 +243,9 @@ class Request:
     first_token_time: float | None = None  # its first generated token (metrics: time to first token)
     last_token_time: float = 0.0  # the latest step that generated a token for it
     token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
+    open_samples: int = 0  # samples without their final output yet (the output processor's)
+    output_ended: bool = False  # its final output (or error) was made: anything later is dropped
+    output_failing: bool = False  # its output failed: the loop sends its error, deltas are dropped
 
 
 @dataclass(slots=True, eq=False)
@@ -260,12 +263,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
-    detok: Any = None  # IncrementalDetokenizer
+    detok: Any = None  # IncrementalDetokenizer (the output processor's, made at its first delta)
     generator: Any = None  # torch.Generator of a seeded sample
     namespace: bytes = b""  # prefix-cache namespace (tenant, adapter digest)
-    pending_logprobs: list = field(default_factory=list)  # top candidates not yet reported
-    num_sent_tokens: int = 0  # output tokens already reported
-    num_sent_chars: int = 0  # output text already reported
+    pending_logprobs: list = field(default_factory=list)  # top candidates not yet handed to the output processor
+    num_sent_tokens: int = 0  # output tokens already reported (the output processor's)
+    num_sent_chars: int = 0  # output text already reported (the output processor's)
+    output_done: bool = False  # its final output was made (the output processor's)
     forks: list = field(default_factory=list)  # FORK_PENDING siblings forked from this seq after its prefill
     fork_parent: Any = None  # the seq a FORK_PENDING seq will be forked from
     host_blocks: list[int] = field(default_factory=list)  # swap-space blocks while SWAPPED
@@ -273,6 +277,8 @@ class Sequence:
     first_scheduled_time: float | None = None  # when it first ran (None: never started)
     error: Exception | None = None  # why the scheduler failed it (its adapter broke, detokenizing raised): an error output
     suspect: bool = False  # a step it was admitted in raised: it is admitted again only as its step's sole newcomer
+    stop_length: int = 0  # length at which it may have finished (max_tokens, the model's), set when queued
+    stop_ids: frozenset = frozenset()  # tokens that may finish it (stop token ids, EOS unless ignore_eos)
 
     @property
     def num_output_tokens(self) -> int:

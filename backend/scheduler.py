@@ -64,7 +64,7 @@ class Scheduler:
     def __init__(self, config, kv: KVCacheManager, adapters, eos_token_ids: set[int], max_model_len: int,
                  num_host_blocks: int = 0, clock: Callable[[], float] = time.monotonic):
         self.config, self.kv, self.adapters = config, kv, adapters
-        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.eos_token_ids, self.max_model_len = frozenset(eos_token_ids), max_model_len
         self.clock = clock
         self.vtc = VirtualTokenCounter() if config.fair_share == "vtc" else None
         self.active = ActiveRequests()  # started requests per tenant (max_concurrent_requests)
@@ -96,6 +96,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request's first sequence (its other samples ride along in seq.forks)."""
         seq.status = SeqStatus.WAITING
+        params = seq.request.params
+        stop_length = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        for s in (seq, *seq.forks):
+            s.stop_length, s.stop_ids = stop_length, stop_ids  # update's cheap test for _finish_reason
         for child in seq.forks:
             child.status, child.fork_parent = SeqStatus.FORK_PENDING, seq
         self.waiting.push(seq)
@@ -433,31 +438,62 @@ class Scheduler:
 
     # ---- after the model ran ---------------------------------------------------------
     def update(self, batch: SchedulerOutput, result) -> list[Sequence]:
-        """Append sampled tokens, fork samples, check completion, free finished sequences; returns the changed ones."""
+        """Append sampled tokens, fork samples, check completion, free finished sequences; returns the changed ones.
+
+        The hot loop of a step: per sequence a few list and attribute operations; a block's
+        prefix hash only when the step filled it, a finish reason only when the sequence's
+        length or token says it may have one, fair-share charges once per tenant.
+        """
         changed: list[Sequence] = []
         forks_at: dict[int, list] = {}
         base = len(batch.seqs)
         for j, (i, child) in enumerate(batch.forks):
             forks_at.setdefault(i, []).append((base + j, child))
-        kv = self.kv
-        for i, seq in enumerate(batch.seqs):
+        kv, bs = self.kv, self.kv.block_size
+        caching = kv.enable_prefix_caching
+        tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
+        charges: dict | None = {} if self.vtc is not None else None
+        maybe_done: list[tuple[Sequence, int]] = []  # (seq, token) that may have finished: ended after the charges
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.status is SeqStatus.FINISHED:  # its request failed after the forward (e.g. bad logits)
                 continue
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.namespace)
-            if result.token_ids[i] is None:
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            if caching and computed // bs != (computed - n) // bs:  # this step filled a block
+                kv.cache_full_blocks(seq.seq_id, seq.token_ids, computed, seq.namespace)
+            token = tokens[i]
+            if token is None:
                 continue
             try:
                 if forks_at and i in forks_at:
                     for row, child in forks_at[i]:
                         self._fork(seq, child)
-                        self._append(child, row, result, changed)
+                        self._append(child, tokens[row], logprobs[row], tops[row], charges, maybe_done)
+                        changed.append(child)
                     seq.forks = []
-                self._append(seq, i, result, changed)
-            except Exception as exc:  # noqa: BLE001 - e.g. detokenizing raised: fail this request, not the step
+                ids = seq.token_ids
+                ids.append(token)
+                seq.cumulative_logprob += logprobs[i]
+                if tops[i] is not None:
+                    seq.pending_logprobs.append(tops[i])
+                if charges is not None:
+                    key = (seq.request.tenant, _weight(seq.request))
+                    charges[key] = charges.get(key, 0) + 1
+                if len(ids) >= seq.stop_length or token in seq.stop_ids:
+                    maybe_done.append((seq, token))
+            except Exception as exc:  # noqa: BLE001 - e.g. a fork failed: fail this request, not the step
                 seq.error = exc
-                changed.append(seq)
-        if any(s.status is SeqStatus.FINISHED for s in changed):
+            changed.append(seq)
+        if charges:  # before any end: a tenant's last request retiring it must see its tokens charged
+            for (tenant, weight), count in charges.items():
+                self.vtc.charge(tenant, count, weight)
+        finished = False
+        for seq, token in maybe_done:
+            try:
+                finished |= seq.error is None and self._end_if_finished(seq, token)
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the step
+                seq.error = exc
+        if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return changed
 
@@ -471,26 +507,33 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 
-    def _append(self, seq: Sequence, row: int, result, changed: list[Sequence]) -> None:
-        token = result.token_ids[row]
+    def _append(self, seq: Sequence, token: int, logprob: float, top, charges: dict | None,
+                maybe_done: list) -> None:
+        """update's steps for one forked sample's first token."""
         seq.token_ids.append(token)
-        if self.vtc is not None:
-            self.vtc.charge(seq.request.tenant, 1, _weight(seq.request))
-        seq.cumulative_logprob += result.logprobs[row]
-        if result.top_logprobs[row] is not None:
-            seq.pending_logprobs.append(result.top_logprobs[row])
-        reason = self._check_finished(seq, token)
-        if reason is not None:
-            self.kv.free(seq.seq_id)
-            self._release_adapter_of(seq)
-            self._finish([seq], reason)
-        changed.append(seq)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.pending_logprobs.append(top)
+        if charges is not None:
+            key = (seq.request.tenant, _weight(seq.request))
+            charges[key] = charges.get(key, 0) + 1
+        maybe_done.append((seq, token))
 
-    def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _end_if_finished(self, seq: Sequence, token: int) -> bool:
+        """End the sequence if the token finished it (freeing its blocks and pin); True if it did."""
+        reason = self._finish_reason(seq, token)
+        if reason is None:
+            return False
+        self.kv.free(seq.seq_id)
+        self._release_adapter_of(seq)
+        self._finish([seq], reason)
+        return True
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """EOS, stop tokens and lengths; stop strings are the output processor's (it ends the sequence)."""
         params = seq.request.params
-        stop = seq.detok.update(seq.token_ids)
         if seq.num_output_tokens >= params.min_tokens:
-            if stop is not None or token in params.stop_token_ids:
+            if token in params.stop_token_ids:
                 return FinishReason.STOP
             if not params.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP

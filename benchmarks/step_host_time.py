@@ -2,12 +2,14 @@
 
     python benchmarks/step_host_time.py [--model-dir DIR] [--seqs 256] [--steps 30] [--adapters 8] [--profile]
 
-Runs the real engine on the calling thread with N sequences decoding at once (the demo model
-and its adapters unless --model-dir; greedy, ignore_eos, half of them with a stop string so
-the stop check runs) and splits each step into the forward (``model.forward`` + ``logits``:
-the part a GPU runs) and everything else the host does (inbox, schedule, step tensors,
-sampling, KV bookkeeping, detokenization, stop checks, outputs). ``--profile`` prints the
-top functions of the host share (cProfile).
+Runs the real engine loop on the calling thread with N sequences decoding at once (the demo
+model and its adapters unless --model-dir; greedy, ignore_eos, half of them with a stop string
+so the stop check runs) and splits each step into the forward (``model.forward`` + ``logits``:
+the part a GPU runs) and everything else the loop does (inbox, schedule, step tensors,
+sampling, KV bookkeeping, token events). Detokenization, stop strings and outputs run on the
+output processor's thread, as when served; its time per step is printed apart (``--inline``
+runs it on the loop thread instead, as ``LLMEngine.step`` does). ``--profile`` prints the
+top functions of the loop thread (cProfile).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_tokens: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, inline: bool = False) -> dict:
     """Per-step milliseconds: whole step, forward, host (= whole - forward)."""
     from loraplex.config import EngineConfig
     from loraplex.engine import LLMEngine
@@ -34,7 +36,8 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
                           adapter_store=str(Path(adapters[0]).parent) if adapters else "",
                           max_loras=max(1, len(adapters)))
     engine = LLMEngine(config)
-    model, spent = engine.runner.model, dict.fromkeys(("forward", "runner", "schedule", "update", "outputs"), 0.0)
+    model = engine.runner.model
+    spent = dict.fromkeys(("forward", "runner", "schedule", "update", "events", "processor"), 0.0)
 
     def timed(fn, part):
         def wrapper(*args, **kwargs):
@@ -49,7 +52,15 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     engine.runner.execute = timed(engine.runner.execute, "runner")
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
     engine.scheduler.update = timed(engine.scheduler.update, "update")
-    engine._outputs = timed(engine._outputs, "outputs")
+    engine._events = timed(engine._events, "events")
+    engine.processor.process = timed(engine.processor.process, "processor")
+    failed = []
+
+    def check(outputs) -> None:
+        failed.extend(out.error for out in outputs if out.error is not None)
+
+    if not inline:
+        engine.processor.start(check)
     names = [Path(a).name for a in adapters]
     text = "x" * (prompt_tokens - 1)
     for i in range(seqs):
@@ -57,7 +68,10 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
                                 stop=["never-seen stop"] if i % 2 else [], lora_name=names[i % len(names)] if names else None)
         engine.add_request(engine.make_request(f"r{i}", f"{i:04d}{text[4:]}", params))
     def step() -> None:
-        failed = [out.error for out in engine.step() if out.error is not None]
+        if inline:
+            check(engine.step())
+        else:
+            engine.processor.submit(engine.step_events())
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
 
@@ -75,6 +89,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - t
+    engine.processor.stop()
     assert len(engine.scheduler.running) == seqs, "a sequence finished early"
     result = {f"{part}_ms": 1e3 * t / steps for part, t in spent.items()}
     result["runner_ms"] -= result["forward_ms"]  # the runner's own host work: step inputs, sampling
@@ -97,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")),
                     help="torch intra-op threads (default 1)")
     ap.add_argument("--profile", action="store_true", help="print the top host functions (cProfile)")
+    ap.add_argument("--inline", action="store_true",
+                    help="detokenize on the loop thread (LLMEngine.step) instead of the output processor's thread")
     args = ap.parse_args(argv)
     import torch
 
@@ -106,13 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_demo()
     model_dir = args.model_dir or str(demo["model"])
     adapters = sorted(str(p) for p in Path(demo["adapters"]).iterdir() if p.is_dir())[: args.adapters]
-    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile)
+    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile, args.inline)
+    where = "on the loop thread" if args.inline else "on its own thread"
     print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, output processor {where}")
     print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms")
-    rest = r["host_ms"] - sum(r[f"{p}_ms"] for p in ("runner", "schedule", "update", "outputs"))
+    parts = ("runner", "schedule", "update", "events") + (("processor",) if args.inline else ())
+    rest = r["host_ms"] - sum(r[f"{p}_ms"] for p in parts)
     print(f"  host: schedule {r['schedule_ms']:.2f}, runner inputs + sampling {r['runner_ms']:.2f}, "
-          f"update (tokens, detokenize, stops) {r['update_ms']:.2f}, outputs {r['outputs_ms']:.2f}, rest {rest:.2f} ms")
+          f"update (tokens, finish checks) {r['update_ms']:.2f}, token events {r['events_ms']:.2f}, "
+          f"rest {rest:.2f} ms")
+    print(f"  output processor (detokenize, stop strings, outputs) {r['processor_ms']:.2f} ms per step, "
+          f"{where}")
     return 0
 
 

@@ -1,0 +1,174 @@
+"""Detokenization, stop strings and output deltas, off the engine loop (vLLM v1's output processor).
+
+The loop hands over each step's events: a token delta per sequence that got a token or
+ended, ``(seq, token | None, finish reason | None, cumulative logprob, top logprobs | None)``,
+and an ``ErrorEvent`` per request that failed. This turns them into ``RequestOutput``s.
+In a served engine it runs on its own thread, so the loop's next step starts while the
+last one's text is still being made; ``LLMEngine.step`` runs it inline instead.
+
+A stop string ends its sample here, at once: the final output goes out with the text cut
+before the stop, and the loop is told to end the sequence (``stop_sequence``). The loop
+may have computed a token or two more by then; they are dropped, as in vLLM v1. A sample
+whose detokenization raises fails its request through the loop (``fail_request``), which
+sends the one error output. Whatever arrives for a sample or request after its final
+output is dropped, so each request still ends exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .detokenizer import IncrementalDetokenizer
+from .request import FinishReason, Request, RequestOutput, Sequence
+
+log = logging.getLogger("loraplex.outputs")
+
+STOP = FinishReason.STOP.value
+CHUNK = 32  # events processed between GIL hand-backs (about 0.2 ms)
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    """A request's one error output, and the request (to drop anything that follows it)."""
+
+    request: Request
+    output: RequestOutput
+
+
+class OutputProcessor:
+    """Turns the loop's events into outputs; ``process`` inline, or ``submit`` to its own thread."""
+
+    def __init__(self, tokenizer, stop_sequence: Callable[[Sequence], None],
+                 fail_request: Callable[[Request, Exception], None]):
+        self.tokenizer = tokenizer
+        self.stop_sequence = stop_sequence
+        self.fail_request = fail_request
+        self.deliver: Callable[[list[RequestOutput]], None] | None = None  # the thread's consumer
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    # ---- thread ------------------------------------------------------------------------
+    def start(self, deliver: Callable[[list[RequestOutput]], None] | None) -> None:
+        """Process submitted events on a thread, handing each batch of outputs to deliver."""
+        self.deliver = deliver
+        self._thread = threading.Thread(target=self._run, name="loraplex-outputs", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list) -> None:
+        """From the loop thread: never blocks. Without a thread, processed here."""
+        if not events:
+            return
+        if self._thread is None:
+            self._hand_over(self.process(events))
+        else:
+            self._queue.put(events)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Process what was submitted, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            events = self._queue.get()
+            while events is not None:  # take everything pending: one hand-over for all of it
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                events = events + more
+            if events is None:
+                return
+            try:
+                outputs = []
+                for i in range(0, len(events), CHUNK):
+                    if i:
+                        time.sleep(0)  # hand the GIL back: the loop thread waits for it after each torch op
+                    outputs += self.process(events[i:i + CHUNK])
+                self._hand_over(outputs)
+            except Exception:  # noqa: BLE001 - the output thread must never die
+                log.exception("output processing failed")
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self.deliver is not None:
+            self.deliver(outputs)
+
+    # ---- processing ----------------------------------------------------------------------
+    def process(self, events: list) -> list[RequestOutput]:
+        """The outputs of a list of events, in order."""
+        outputs: list[RequestOutput] = []
+        for event in events:
+            if type(event) is tuple:
+                self._delta(outputs, *event)
+            else:
+                self._error(outputs, event)
+        return outputs
+
+    def _error(self, outputs: list[RequestOutput], event: ErrorEvent) -> None:
+        request = event.request
+        if request.output_ended:
+            return  # it already had its final output
+        request.output_ended = True
+        outputs.append(event.output)
+
+    def _delta(self, outputs: list[RequestOutput], seq: Sequence, token: int | None, reason: FinishReason | None,
+               cumulative: float, logprobs: list | None) -> None:
+        request = seq.request
+        if seq.output_done or request.output_ended or request.output_failing:
+            return  # ended here already (a stop string), or failing: the loop sends its error
+        try:
+            output = self._output(seq, token, reason, cumulative, logprobs)
+        except Exception as exc:  # noqa: BLE001 - e.g. detokenizing raised: this request fails, not the batch
+            log.warning("output of request %s failed: %r", request.request_id, exc)
+            request.output_failing = True
+            self.fail_request(request, exc)
+            return
+        if output.finished:
+            seq.output_done = True
+            request.open_samples -= 1
+            request.output_ended = request.open_samples <= 0
+        outputs.append(output)
+
+    def _output(self, seq: Sequence, token: int | None, reason: FinishReason | None, cumulative: float,
+                logprobs: list | None) -> RequestOutput:
+        request = seq.request
+        params = request.params
+        detok = seq.detok
+        if detok is None:
+            detok = seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                                       params.skip_special_tokens)
+        finish_reason = reason.value if reason is not None else None
+        if token is not None:
+            seq.num_sent_tokens += 1
+            stop = detok.push(token, match_stops=seq.num_sent_tokens >= params.min_tokens)
+            if stop is not None:
+                if reason is None:
+                    self.stop_sequence(seq)
+                finish_reason = STOP
+        finished = finish_reason is not None
+        if finished:
+            detok.finish()
+        end = detok.stable_length(finished)
+        text = detok.text[seq.num_sent_chars:end]
+        seq.num_sent_chars = max(end, seq.num_sent_chars)
+        return RequestOutput(
+            request_id=request.request_id,
+            index=seq.index,
+            text=text,
+            token_ids=[token] if token is not None else [],
+            finished=finished,
+            finish_reason=finish_reason,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs if params.logprobs is not None else None,
+            num_input_tokens=seq.num_prompt_tokens,
+        )
