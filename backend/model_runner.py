@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -10,7 +11,7 @@ import torch
 
 from . import kernels
 from .models.llama import AttentionBatch, LlamaModel, LoraBatch
-from .sampler import sample, token_logprobs
+from .sampler import sample_tokens, token_logprobs
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class ModelRunner:
                  num_host_blocks: int = 0):
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
         self.device = model.device
+        self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
 
     def execute(self, batch, copies: bool = True) -> RunnerOutput:
@@ -55,23 +57,36 @@ class ModelRunner:
             is_decode=step.is_decode,
         )
         lora = self._lora_batch(batch, step.cu, step.is_decode)
-        sample_rows, sample_seqs = step.sample_rows.tolist(), step.sample_seqs.tolist()
-        seqs = [batch.seqs[i] for i in sample_seqs]
-        for j, (i, child) in enumerate(batch.forks):  # n > 1: the other samples share the parent's last row
-            sample_rows.append(int(step.cu[i + 1]) - 1)
-            sample_seqs.append(len(batch.seqs) + j)
-            seqs.append(child)
-        rows = len(batch.seqs) + len(batch.forks)
-        out = RunnerOutput([None] * rows, [None] * rows, [None] * rows)
+        num = len(batch.seqs)
+        sample_seqs = step.sample_seqs.tolist()
+        every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
+        seqs, sample_rows = batch.seqs, step.sample_rows
+        if not every_seq or batch.forks:
+            seqs, sample_rows = [batch.seqs[i] for i in sample_seqs], sample_rows.tolist()
+            for j, (i, child) in enumerate(batch.forks):  # n > 1: the other samples share the parent's last row
+                sample_rows.append(int(step.cu[i + 1]) - 1)
+                sample_seqs.append(num + j)
+                seqs.append(child)
+        rows = num + len(batch.forks)
+        errors: dict[int, Exception] = {}
         with torch.inference_mode():
             hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
-            if not sample_rows:
-                return out
-            logits = self.model.logits(hidden[self._tensor(sample_rows)])
-            if not bool(torch.isfinite(logits.sum())):  # one reduction; a NaN or inf anywhere shows in the sum
-                logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, out)
-            tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-            chosen, tops = token_logprobs(logits, tokens, [s.request.params.logprobs for s in seqs])
+            if not sample_seqs:
+                return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
+            if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():
+                picked = hidden  # every row sampled once, in order: the index would copy it unchanged
+            else:
+                picked = hidden[self._tensor(sample_rows)]
+            logits = self.model.logits(picked)
+            if not math.isfinite(logits.sum().item()):  # one reduction; a NaN or inf anywhere shows in the sum
+                logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
+            params = [s.request.params for s in seqs]
+            tokens = sample_tokens(logits, params, [s.generator for s in seqs])
+            chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            tokens = tokens.tolist()
+        if every_seq:  # sample j is row j
+            return RunnerOutput(tokens, chosen, tops, errors)
+        out = RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
         for j, i in enumerate(sample_seqs):
             out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]
         return out
@@ -88,11 +103,11 @@ class ModelRunner:
 
     @staticmethod
     def _contain_non_finite(logits: torch.Tensor, finite: torch.Tensor, sample_seqs: list[int],
-                            out: RunnerOutput) -> torch.Tensor:
+                            errors: dict[int, Exception]) -> torch.Tensor:
         """Record an error for each row with NaN/inf logits and zero those rows so the others still sample."""
         bad = (~finite).nonzero().flatten().tolist()
         for j in bad:
-            out.errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
+            errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
         logits = logits.clone()
         logits[bad] = 0.0
         return logits
@@ -113,9 +128,10 @@ class ModelRunner:
         """Per-row slots for a decode step (one token per sequence), segments for a step with prefill."""
         if self.lora_slots is None:
             return None
-        slots = np.fromiter((seq.adapter_slot for seq in batch.seqs), np.int32, len(batch.seqs))
-        if slots.max() < 0:
+        slot_list = [seq.adapter_slot for seq in batch.seqs]
+        if max(slot_list) < 0:
             return None
+        slots = np.fromiter(slot_list, np.int32, len(slot_list))
         if is_decode:
             return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
         change = np.flatnonzero(slots[1:] != slots[:-1]) + 1  # neighbours that share an adapter are one segment
@@ -126,7 +142,8 @@ class ModelRunner:
     def _tensor(self, values) -> torch.Tensor:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
-        return torch.from_numpy(array).to(self.device)
+        tensor = torch.from_numpy(array)
+        return tensor if self._on_cpu else tensor.to(self.device)
 
 
 @dataclass(slots=True)
@@ -147,31 +164,58 @@ class StepArrays:
     def build(cls, batch, block_size: int) -> "StepArrays":
         """From a SchedulerOutput: each sequence's new tokens start at its num_computed_tokens."""
         seqs, num = batch.seqs, len(batch.seqs)
+        if sum(batch.num_new_tokens) == num:
+            return cls._build_decode(seqs, batch.block_tables, block_size)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num)
         counts = np.asarray(batch.num_new_tokens, np.int64)
         cu = np.zeros(num + 1, np.int64)
         np.cumsum(counts, out=cu[1:])
         ends, total = starts + counts, int(cu[-1])
-        is_decode = total == num
-        if is_decode:
-            input_ids = np.fromiter((s.token_ids[p] for s, p in zip(seqs, starts.tolist())), np.int64, num)
-            positions, owner = starts, np.arange(num)
-        else:
-            input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in
-                                                        zip(seqs, starts.tolist(), ends.tolist())), np.int64, total)
-            owner = np.repeat(np.arange(num), counts)  # the sequence of each token
-            positions = np.arange(total) - (cu[:-1] - starts)[owner]
-        tables = batch.block_tables
-        lens = np.fromiter(map(len, tables), np.int64, num)
-        block_tables = np.zeros((num, int(lens.max())), np.int32)
-        flat = np.fromiter(chain.from_iterable(tables), np.int32, int(lens.sum()))
-        row = np.repeat(np.arange(num), lens)
-        block_tables[row, np.arange(flat.size) - (np.cumsum(lens) - lens)[row]] = flat
+        input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in
+                                                    zip(seqs, starts.tolist(), ends.tolist())), np.int64, total)
+        owner = np.repeat(np.arange(num), counts)  # the sequence of each token
+        positions = np.arange(total) - (cu[:-1] - starts)[owner]
+        block_tables = _padded(batch.block_tables)
         slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
         done = ends == np.fromiter((len(s.token_ids) for s in seqs), np.int64, num)  # sampled this step
         sample_seqs = np.flatnonzero(done)
         return cls(input_ids, positions, slot_mapping, block_tables, ends.astype(np.int32), cu.astype(np.int32),
-                   cu[1:][sample_seqs] - 1, sample_seqs, is_decode)
+                   cu[1:][sample_seqs] - 1, sample_seqs, False)
+
+    @classmethod
+    def _build_decode(cls, seqs, tables, block_size: int) -> "StepArrays":
+        """One new token per sequence: one pass over the sequences for its token and position."""
+        num = len(seqs)
+        ids, starts, unsampled = [], [], []
+        add_id, add_start = ids.append, starts.append
+        for i, s in enumerate(seqs):
+            p, tokens = s.num_computed_tokens, s.token_ids
+            add_id(tokens[p])
+            add_start(p)
+            if len(tokens) != p + 1:
+                unsampled.append(i)  # not its last token: a one-token prompt chunk
+        positions = np.fromiter(starts, np.int64, num)
+        block_tables = _padded(tables)
+        block, offset = np.divmod(positions, block_size)
+        slot_mapping = block_tables[np.arange(num), block].astype(np.int64)
+        slot_mapping *= block_size
+        slot_mapping += offset
+        sample_seqs = np.delete(np.arange(num), unsampled) if unsampled else np.arange(num)
+        return cls(np.fromiter(ids, np.int64, num), positions, slot_mapping, block_tables,
+                   np.add(positions, 1, dtype=np.int32), np.arange(num + 1, dtype=np.int32), sample_seqs, sample_seqs,
+                   True)
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one int32 [B, longest] array, shorter rows padded with block 0."""
+    lens = list(map(len, tables))
+    width, total = max(lens), sum(lens)
+    flat = np.fromiter(chain.from_iterable(tables), np.int32, total)
+    if total == width * len(tables):  # all the same length: no padding
+        return flat.reshape(len(tables), width)
+    block_tables = np.zeros((len(tables), width), np.int32)
+    block_tables[np.arange(width) < np.array(lens)[:, None]] = flat  # row-major, so each row's ids in order
+    return block_tables
 
 
 def allocate_host_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:

@@ -1,0 +1,99 @@
+"""StepArrays.build (a step's model inputs) against a per-token reference, decode and prefill steps; sampler fast paths."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex.model_runner import StepArrays
+from loraplex.request import SamplingParams
+from loraplex.sampler import make_generator, sample, sample_tokens, token_logprobs
+
+BS = 4
+
+
+def seq(tokens, computed):
+    return SimpleNamespace(token_ids=list(tokens), num_computed_tokens=computed)
+
+
+def batch(seqs, counts, tables):
+    return SimpleNamespace(seqs=seqs, num_new_tokens=counts, block_tables=tables)
+
+
+def reference(b):
+    """One token at a time, as the definition reads."""
+    ids, positions, slots, cu, sampled = [], [], [], [0], []
+    width = max(len(t) for t in b.block_tables)
+    for i, (s, n, table) in enumerate(zip(b.seqs, b.num_new_tokens, b.block_tables)):
+        for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
+            ids.append(s.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // BS] * BS + p % BS)
+        cu.append(cu[-1] + n)
+        if s.num_computed_tokens + n == len(s.token_ids):
+            sampled.append(i)
+    return {"input_ids": ids, "positions": positions, "slot_mapping": slots, "cu": cu,
+            "block_tables": [t + [0] * (width - len(t)) for t in b.block_tables],
+            "context_lens": [s.num_computed_tokens + n for s, n in zip(b.seqs, b.num_new_tokens)],
+            "sample_seqs": sampled, "sample_rows": [cu[i + 1] - 1 for i in sampled]}
+
+
+DTYPES = {"input_ids": np.int64, "positions": np.int64, "slot_mapping": np.int64, "block_tables": np.int32,
+          "context_lens": np.int32, "cu": np.int32, "sample_rows": np.int64, "sample_seqs": np.int64}
+
+
+def check(b, is_decode):
+    got, want = StepArrays.build(b, BS), reference(b)
+    assert got.is_decode is is_decode
+    for name, dtype in DTYPES.items():
+        array = getattr(got, name)
+        assert array.dtype == dtype, name
+        assert array.tolist() == want[name], name
+
+
+def test_decode_with_tables_of_different_lengths():
+    seqs = [seq(range(10, 16), 5), seq(range(20, 29), 8), seq(range(30, 34), 3)]
+    check(batch(seqs, [1, 1, 1], [[7, 2], [5, 9, 11], [4]]), True)
+
+
+def test_decode_with_tables_of_one_length():
+    seqs = [seq(range(10, 16), 5), seq(range(20, 27), 6)]
+    check(batch(seqs, [1, 1], [[7, 2], [5, 9]]), True)
+
+
+def test_decode_step_with_a_one_token_prompt_chunk_not_sampled():
+    seqs = [seq(range(10, 16), 5), seq(range(20, 29), 3), seq(range(30, 34), 3)]  # the middle one has 6 to go
+    b = batch(seqs, [1, 1, 1], [[7, 2], [5, 9, 11], [4]])
+    check(b, True)
+    assert StepArrays.build(b, BS).sample_seqs.tolist() == [0, 2]
+
+
+def test_prefill_and_decode_mixed():
+    seqs = [seq(range(10, 16), 5), seq(range(20, 29), 2), seq(range(30, 40), 0)]
+    check(batch(seqs, [1, 7, 4], [[7, 2], [5, 9, 11], [4, 6, 8]]), False)  # the last is a chunk: not sampled
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_fast_argmax_and_fused_logprobs_match_torch(rows):
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, 300)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first wins
+    greedy = [SamplingParams.from_dict({"temperature": 0})] * rows
+    tokens = sample_tokens(logits, greedy, [None] * rows)
+    assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist() and tokens[0] == 7
+    chosen, tops = token_logprobs(logits, tokens, [None] * rows)
+    want = (logits.gather(1, tokens[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).squeeze(1).tolist()
+    assert chosen == want and tops == [None] * rows
+    assert token_logprobs(logits, tokens.tolist(), [2] * rows) == token_logprobs(logits, tokens, [2] * rows)
+
+
+def test_seeded_rows_draw_from_their_own_generator_among_greedy_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    seeded = SamplingParams.from_dict({"temperature": 1.0, "seed": 3})
+    greedy = SamplingParams.from_dict({"temperature": 0})
+    alone = sample(logits[2:3], [seeded], [make_generator(seeded, 0, "cpu")])
+    mixed = sample(logits, [greedy, greedy, seeded, greedy], [None, None, make_generator(seeded, 0, "cpu"), None])
+    assert mixed[2] == alone[0]
+    assert [mixed[0], mixed[1], mixed[3]] == torch.argmax(logits, -1)[[0, 1, 3]].tolist()
