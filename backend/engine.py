@@ -309,9 +309,12 @@ class LLMEngine:
 
     def _forward(self, batch, outputs: list):
         """Run the batch; if it raises, retry it without this step's newcomers (None: nothing left to run)."""
+        quiet = self.processor.loop_quiet
+        quiet.set()  # the output processor's turn for the GIL
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
+            quiet.clear()
             newcomers = list(batch.admitted)
             if not newcomers:
                 raise
@@ -323,6 +326,7 @@ class LLMEngine:
             if not batch.seqs:
                 return None
             result = self.runner.execute(batch, copies=False)
+        quiet.clear()
         for seq in batch.admitted:
             seq.suspect = False
         return result
@@ -505,9 +509,11 @@ class LLMEngine:
         """Step while there is work, sleep on an event otherwise."""
         while not self._stopping:
             if not self._runnable():
+                self.processor.loop_quiet.set()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.processor.loop_quiet.clear()
             self.processor.submit(self.step_events())
             if self.on_step is not None:
                 try:

@@ -29,7 +29,8 @@ from .request import FinishReason, Request, RequestOutput, Sequence
 log = logging.getLogger("loraplex.outputs")
 
 STOP = FinishReason.STOP.value
-CHUNK = 32  # events processed between GIL hand-backs (about 0.2 ms)
+CHUNK = 16  # events processed between GIL hand-backs (about 0.1 ms)
+MAX_DEFER_SECONDS = 0.005  # the longest a chunk waits for the loop to be quiet
 
 
 @dataclass(slots=True)
@@ -51,6 +52,11 @@ class OutputProcessor:
         self.deliver: Callable[[list[RequestOutput]], None] | None = None  # the thread's consumer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # Set while the loop needs no GIL (in the forward, whose torch ops release it, or idle).
+        # Python threads share one GIL: a chunk run while the loop does its own Python would
+        # delay the loop by as much, so chunks wait for quiet (at most MAX_DEFER_SECONDS).
+        self.loop_quiet = threading.Event()
+        self.loop_quiet.set()
 
     # ---- thread ------------------------------------------------------------------------
     def start(self, deliver: Callable[[list[RequestOutput]], None] | None) -> None:
@@ -94,6 +100,7 @@ class OutputProcessor:
                 for i in range(0, len(events), CHUNK):
                     if i:
                         time.sleep(0)  # hand the GIL back: the loop thread waits for it after each torch op
+                    self.loop_quiet.wait(MAX_DEFER_SECONDS)
                     outputs += self.process(events[i:i + CHUNK])
                 self._hand_over(outputs)
             except Exception:  # noqa: BLE001 - the output thread must never die

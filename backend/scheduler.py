@@ -219,17 +219,17 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes first, then prefill chunks, each in running order; a block shortage preempts a victim."""
-        running = self.running
-        order = [s for s in running if s.num_tokens_to_compute == 1]
+        running, kv, running_status = self.running, self.kv, SeqStatus.RUNNING
+        order = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
         if len(order) != len(running):
-            order += [s for s in running if s.num_tokens_to_compute != 1]
+            order += [s for s in running if len(s.token_ids) - s.num_computed_tokens != 1]
         for seq in order:
             if budget <= 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
+            if seq.status is not running_status:  # preempted earlier in this step
                 continue
-            n = min(seq.num_tokens_to_compute, budget)
-            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
                 victim = self.pick_victim(self.running)
                 budget += self._preempt(victim, out)
                 if victim is seq:
