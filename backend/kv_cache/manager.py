@@ -82,11 +82,11 @@ class KVCacheManager:
         """Register every newly full computed block of the seq in the prefix cache, extending its hash chain."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(seq_id)
-        if table is None:
-            return
-        hashes = self._hashes[seq_id]
+        hashes = self._hashes.get(seq_id)  # the same keys as _tables
         bs = self.block_size
+        if hashes is None or min(num_computed_tokens, len(token_ids)) // bs <= len(hashes):
+            return  # unknown seq, or no block filled since the last call (most decode steps)
+        table = self._tables[seq_id]
         num_full = min(min(num_computed_tokens, len(token_ids)) // bs, len(table))
         pool = self.pool
         for i in range(len(hashes), num_full):
@@ -137,6 +137,12 @@ class KVCacheManager:
     def allocate(self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int,
                  cached_blocks: Sequence[int] = ()) -> bool:
         """Make the seq's table cover computed + new slots (copy-on-write for shared blocks written); all or nothing."""
+        if num_new_tokens == 1 and not cached_blocks:  # a decode step: most often nothing to do
+            table = self._tables.get(seq_id)
+            if table is not None:
+                i = num_computed_tokens // self.block_size  # the block its token goes into
+                if i < len(table) and self.pool.blocks[table[i]].ref_count <= 1:
+                    return True  # held, not shared: no new block, no copy
         table, num_new, cow, needed = self._plan(seq_id, num_computed_tokens, num_new_tokens, cached_blocks)
         pool = self.pool
         if needed > pool.num_free:
