@@ -82,7 +82,10 @@ class ModelRunner:
                 logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
             params = [s.request.params for s in seqs]
             tokens = sample_tokens(logits, params, [s.generator for s in seqs])
-            chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            if any(s.request.wants_logprobs for s in seqs):
+                chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            else:  # nobody reads them: skip a logsumexp over the vocabulary per row
+                chosen, tops = [0.0] * len(seqs), [None] * len(seqs)
             tokens = tokens.tolist()
         if every_seq:  # sample j is row j
             return RunnerOutput(tokens, chosen, tops, errors)

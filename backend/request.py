@@ -243,6 +243,7 @@ class Request:
     first_token_time: float | None = None  # its first generated token (metrics: time to first token)
     last_token_time: float = 0.0  # the latest step that generated a token for it
     token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
+    wants_logprobs: bool = True  # its sampled tokens' logprobs are used (cumulative_logprob, logprobs)
     open_samples: int = 0  # samples without their final output yet (the output processor's)
     output_ended: bool = False  # its final output (or error) was made: anything later is dropped
     output_failing: bool = False  # its output failed: the loop sends its error, deltas are dropped

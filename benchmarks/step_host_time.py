@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_tokens: int,
-            profile: bool = False, inline: bool = False) -> dict:
+            profile: bool = False, inline: bool = False, logprobs: bool = False) -> dict:
     """Per-step milliseconds: whole step, forward, host (= whole - forward)."""
     from loraplex.config import EngineConfig
     from loraplex.engine import LLMEngine
@@ -66,7 +66,9 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     for i in range(seqs):
         params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True,
                                 stop=["never-seen stop"] if i % 2 else [], lora_name=names[i % len(names)] if names else None)
-        engine.add_request(engine.make_request(f"r{i}", f"{i:04d}{text[4:]}", params))
+        request = engine.make_request(f"r{i}", f"{i:04d}{text[4:]}", params)
+        request.wants_logprobs = logprobs  # as served: only when the client asks for them
+        engine.add_request(request)
     def step() -> None:
         if inline:
             check(engine.step())
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")),
                     help="torch intra-op threads (default 1)")
     ap.add_argument("--profile", action="store_true", help="print the top host functions (cProfile)")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="every request wants its tokens' logprobs (return_cumulative_logprob); default: none does")
     ap.add_argument("--inline", action="store_true",
                     help="detokenize on the loop thread (LLMEngine.step) instead of the output processor's thread")
     args = ap.parse_args(argv)
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_demo()
     model_dir = args.model_dir or str(demo["model"])
     adapters = sorted(str(p) for p in Path(demo["adapters"]).iterdir() if p.is_dir())[: args.adapters]
-    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile, args.inline)
+    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile, args.inline, args.logprobs)
     where = "on the loop thread" if args.inline else "on its own thread"
     print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
           f"torch threads {torch.get_num_threads()}, output processor {where}")

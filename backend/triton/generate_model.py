@@ -121,6 +121,7 @@ class TritonPythonModel:
         parsed = parse_generate_input(inputs, parameters, tenant.name)
         request_id = f"{next(self.ids)}:{request.request_id()}"
         engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, tenant.name, tenant)
+        engine_request.wants_logprobs = parsed.returns["return_cumulative_logprob"] or parsed.params.logprobs is not None
         self.responder.register(
             request_id, sender, parsed.stream, parsed.prompt, parsed.exclude_input, parsed.returns, parsed.params.n
         )
