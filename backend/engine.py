@@ -70,7 +70,8 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
-        self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config)
+        self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
+                                fp16_weights=config.weight_dtype == "float16")
         self.max_model_len = max_len
         num_blocks = self._num_kv_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -117,8 +118,9 @@ class LLMEngine:
         self.stats = EngineStats()  # request and step metrics (counters, latency observations)
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
-                 "%d torch CPU threads", config.model_dir, self.device, self.dtype, num_blocks, config.block_size,
+        log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
+                 "%d torch CPU threads", config.model_dir, self.device, self.dtype,
+                 " (fp16 weights)" if self.model.packed is not None else "", num_blocks, config.block_size,
                  max_len, self.num_host_blocks, torch.get_num_threads())
 
     def _new_scheduler(self) -> Scheduler:
@@ -416,21 +418,20 @@ class LLMEngine:
         return self._fail_request(seqs[0].request, RequestCancelled("Request was cancelled"), "abort")
 
     def _events(self, seqs: list[Sequence], events: list, new_tokens: bool) -> None:
-        """A token delta per changed sequence (with its newest token, counted, if new_tokens), or its request's error once.
+        """A token delta per changed sequence (its newest token if new_tokens, counted), or its request's error once.
 
         A sequence that finished ends its request when it was the last sample; the text,
         stop strings and RequestOutputs are the output processor's.
         """
         now = self._step_time
-        generated, served, failed = self.generated_tokens, self.quotas.served, None
+        generated, served, failed = self.generated_tokens, self.quotas.served, set()
         for seq in seqs:
             request = seq.request
-            if seq.error is not None or (failed and request.request_id in failed):
-                if failed is None:
-                    failed = set()
-                if request.request_id not in failed:
-                    failed.add(request.request_id)
-                    events += self._fail_request(request, seq.error)
+            if request.request_id in failed:
+                continue
+            if seq.error is not None:
+                failed.add(request.request_id)
+                events += self._fail_request(request, seq.error)
                 continue
             finished = seq.status is SeqStatus.FINISHED
             token = None

@@ -43,10 +43,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-class LlamaModel:
-    """Weights of a LLaMA-family checkpoint and its forward pass."""
+def pack_fp16(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """A linear layer's weight (and bias) stored in fp16 for FBGEMM's fp16-weight GEMM (CPU, fp32 compute)."""
+    return torch.ops.quantized.linear_prepack_fp16(weight.float(), None if bias is None else bias.float())
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None):
+
+def fp16_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """x @ W.T + b with W packed by pack_fp16: each weight read as its fp16 value, products summed in fp32."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+class LlamaModel:
+    """Weights of a LLaMA-family checkpoint and its forward pass.
+
+    ``fp16_weights`` (CPU, fp32): the projections and ``lm_head`` keep their weights in fp16
+    and multiply through FBGEMM in fp32, reading half the bytes; the embedding is rounded
+    the same way, so a tied ``lm_head`` and the lookups see one set of values.
+    """
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None,
+                 fp16_weights: bool = False):
         self.config = cfg = config if config is not None else load_hf_config(model_dir)
         self.dtype, self.device = dtype, device
         self.num_layers = cfg.num_hidden_layers
@@ -67,7 +83,25 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight")
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
+        self.packed: list[dict] | None = None  # per layer: module -> pack_fp16 (fp16_weights)
+        self.packed_lm_head = None
+        if fp16_weights:
+            self._pack_fp16()
 
+    def _pack_fp16(self) -> None:
+        if torch.device(self.device).type != "cpu" or self.dtype != torch.float32:
+            raise ValueError("fp16 weights are a CPU option with dtype float32 (FBGEMM); on CUDA set dtype float16")
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.half().float()  # the values the packed weights hold
+        self.packed_lm_head = pack_fp16(self.embed if tied else self.lm_head)
+        self.lm_head = self.embed if tied else self.lm_head.half().float()
+        self.packed = []
+        for layer in self.layers:
+            packed = {}
+            for m in MODULES:
+                packed[m] = pack_fp16(layer[m], layer.get(m + ".bias"))
+                layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
+            self.packed.append(packed)
     @staticmethod
     def _take_layer(w: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -84,8 +118,11 @@ class LlamaModel:
         return layer
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        layer = self.layers[layer_idx]
-        y = F.linear(x, layer[module], layer.get(module + ".bias"))
+        if self.packed is not None:
+            y = fp16_linear(x, self.packed[layer_idx][module])
+        else:
+            layer = self.layers[layer_idx]
+            y = F.linear(x, layer[module], layer.get(module + ".bias"))
         if lora is not None:
             s = lora.slots
             a, b = s.a[layer_idx][module], s.b[layer_idx][module]
@@ -124,6 +161,8 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in fp32."""
+        if self.packed_lm_head is not None:
+            return fp16_linear(hidden, self.packed_lm_head)
         return F.linear(hidden, self.lm_head).float()
 
     def kv_bytes_per_block(self, block_size: int) -> int:

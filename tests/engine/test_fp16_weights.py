@@ -1,0 +1,72 @@
+"""`weight_dtype=float16` on the CPU: the projections and lm_head hold fp16 weights, computed in fp32.
+
+The oracle is transformers + peft on the very weights the engine multiplies: the checkpoint
+with every matrix rounded to fp16 (and back to fp32), the adapters as they are (LoRA stays
+fp32). Logits must agree within the fp32 tolerance of the fp32 engine, tokens exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import peft_reference as ref
+import pytest
+import torch
+from test_multi_lora import LOGIT_ATOL, LOGIT_BATCHES, engine_logits, make_engine
+
+from loraplex.config import EngineConfig
+from loraplex.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def rounded(lora_family, tmp_path_factory):
+    """rounded(arch) -> the family with its checkpoint's matrices rounded to fp16 (the oracle's weights)."""
+    from safetensors.torch import load_file, save_file
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            family = lora_family(arch)
+            folder = tmp_path_factory.mktemp(f"rounded-{arch}") / "model"
+            shutil.copytree(family.model_dir, folder)
+            for path in folder.glob("*.safetensors"):
+                tensors = {k: v.half().float() if v.dim() == 2 else v for k, v in load_file(path).items()}
+                save_file(tensors, path, metadata={"format": "pt"})
+            cache[arch] = family, dataclasses.replace(family, model_dir=str(folder))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch):
+    family, oracle = rounded(arch)
+    engine = make_engine(family, weight_dtype="float16")
+    assert engine.model.packed is not None and engine.model.layers[0]["q_proj"] is None  # no fp32 copy kept
+    moved = 0.0
+    for batch in LOGIT_BATCHES:
+        rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
+        prefill, nxt, decode = engine_logits(engine, rows)
+        for i, (ids, name) in enumerate(rows):
+            adapter = family.adapters[name] if name else None
+            want = ref.first_logits(oracle.model_dir, adapter, ids)
+            want_next = ref.first_logits(oracle.model_dir, adapter, ids + [nxt[i]])
+            torch.testing.assert_close(prefill[i], want, atol=LOGIT_ATOL, rtol=0)
+            torch.testing.assert_close(decode[i], want_next, atol=LOGIT_ATOL, rtol=0)
+            moved = max(moved, float((ref.first_logits(family.model_dir, adapter, ids) - want).abs().max()))
+    assert moved > 10 * LOGIT_ATOL  # the rounding is visible: the oracle is not the fp32 model
+    for prompt, name in LOGIT_BATCHES[0]:
+        ids = engine.tokenizer(prompt).input_ids
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, lora_name=name)
+        out = engine.generate([engine.make_request("r", prompt, params)])["r"]
+        adapter = family.adapters[name] if name else None
+        assert [t for o in out for t in o.token_ids] == ref.greedy_tokens(oracle.model_dir, adapter, ids, 8, True)
+
+
+def test_fp16_weights_are_a_cpu_fp32_option(lora_family):
+    with pytest.raises(ValueError, match="weight_dtype must be auto or float16"):
+        EngineConfig(model_dir="x", weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="CPU option with dtype float32"):
+        make_engine(lora_family("llama-gqa"), weight_dtype="float16", dtype="bfloat16")
