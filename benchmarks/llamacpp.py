@@ -7,12 +7,13 @@ What runs:
   ours       one `loraplex-serve --model smollm2` (benchmarks/serving.py's Launcher: free
              ports, a temp adapter store seeded with the demo adapters pirate and french),
              the fp32 checkpoint of .cache/smollm2/model, default engine knobs
-             (`--engine-config` adds some); N concurrent HTTP `generate_stream` clients
+             (`--engine-config` adds some; `--weights f16` adds weight_dtype float16); N concurrent HTTP `generate_stream` clients
              (benchmarks/triton_overhead.py's); tokens counted from the server's
              `num_output_tokens`.
   llama.cpp  one `llama-server` per `--llama-threads` value (`-t T -tb T --parallel P
              -c P*--ctx-per-seq`, P = the largest stream count; continuous batching is its
-             default), on the same weights as an f32 GGUF, the two adapters loaded as LoRA
+             default), on the same weights as an f32 GGUF (`--weights f16`: both hold the
+             checkpoint's weights in fp16), the two adapters loaded as f32 LoRA
              GGUFs (`--lora`). N concurrent clients of its `/completion` (not streamed);
              tokens counted from its `tokens_predicted`. Every request sets both adapters'
              scales (`"lora": [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}]`; the base
@@ -94,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ctx-per-seq", type=int, default=256,
                     help="llama-server context per slot; -c is this times the slots (default: %(default)s)")
     ap.add_argument("--engine-config", default="{}", help="engine knobs (JSON) of our server (default: %(default)s)")
+    ap.add_argument("--weights", choices=("f32", "f16"), default="f32",
+                    help="f16: an f16 GGUF for llama.cpp and weight_dtype float16 for ours (default: %(default)s)")
     ap.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON,
                     help="version of the llama-cpp-python sdist whose vendored llama.cpp is built (default: %(default)s)")
     ap.add_argument("--llama-server", type=Path, help="an existing llama-server binary instead of the cached build")
@@ -167,7 +170,7 @@ def converter_path(cache: Path) -> Path:
     return pylib
 
 
-def convert(script: Path, args: list[str], out: Path, pylib: Path) -> Path:
+def convert(script: Path, args: list[str], out: Path, pylib: Path, outtype: str = "f32") -> Path:
     """Run one of llama.cpp's converters with this Python and the vendored gguf-py, into ``out`` once."""
     if out.is_file():
         return out
@@ -178,7 +181,7 @@ def convert(script: Path, args: list[str], out: Path, pylib: Path) -> Path:
     log_path = out.with_name(f"{out.name}.log")
     log(f"{script.name} -> {out} (log {log_path.name})")
     with open(log_path, "wb") as output:
-        rc = subprocess.run([sys.executable, str(script), *args, "--outtype", "f32", "--outfile", str(tmp)], env=env,
+        rc = subprocess.run([sys.executable, str(script), *args, "--outtype", outtype, "--outfile", str(tmp)], env=env,
                             stdout=output, stderr=subprocess.STDOUT, check=False).returncode
     if rc != 0:
         raise RuntimeError(f"{script.name} exited with code {rc}; log {log_path}:\n"
@@ -187,10 +190,12 @@ def convert(script: Path, args: list[str], out: Path, pylib: Path) -> Path:
     return out
 
 
-def make_ggufs(src: Path, cache: Path, version: str, checkpoint: Path, adapters_dir: Path) -> tuple[Path, list[Path]]:
-    """(f32 GGUF of the checkpoint, LoRA GGUFs of the demo adapters in ADAPTERS order)."""
+def make_ggufs(src: Path, cache: Path, version: str, checkpoint: Path, adapters_dir: Path,
+               weights: str = "f32") -> tuple[Path, list[Path]]:
+    """(GGUF of the checkpoint in `weights`, f32 LoRA GGUFs of the demo adapters in ADAPTERS order)."""
     folder, pylib = cache / f"gguf-{version}", converter_path(cache)
-    model = convert(src / "convert_hf_to_gguf.py", [str(checkpoint)], folder / "smollm2-135m-instruct-f32.gguf", pylib)
+    model = convert(src / "convert_hf_to_gguf.py", [str(checkpoint)], folder / f"smollm2-135m-instruct-{weights}.gguf",
+                    pylib, weights)
     loras = [convert(src / "convert_lora_to_gguf.py", ["--base", str(checkpoint), str(adapters_dir / name)],
                      folder / f"lora-{name}-f32.gguf", pylib) for name in ADAPTERS]
     return model, loras
@@ -302,13 +307,16 @@ def main(argv=None) -> int:
     src = llama_source(args.cache, args.llama_cpp_python)
     commit = upstream_commit(src, args.llama_cpp_python)
     binary = args.llama_server or build_llama_server(src, commit)
-    gguf, loras = make_ggufs(src, args.cache, args.llama_cpp_python, checkpoint, adapters_dir)
+    gguf, loras = make_ggufs(src, args.cache, args.llama_cpp_python, checkpoint, adapters_dir, args.weights)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
                              check=False).stderr.strip().splitlines()
     log(f"llama.cpp: llama-cpp-python {args.llama_cpp_python} sdist, upstream {commit}; {' / '.join(version)}")
 
     work = Path(tempfile.mkdtemp(prefix="llamacpp-bench-"))
-    ours = Launcher(model_flags, json.loads(args.engine_config), work / "store", work / "loraplex-serve.log")
+    engine_config = json.loads(args.engine_config)
+    if args.weights == "f16":
+        engine_config.setdefault("weight_dtype", "float16")
+    ours = Launcher(model_flags, engine_config, work / "store", work / "loraplex-serve.log")
     llamas = [LlamaServer(binary, gguf, loras, t, slots, args.ctx_per_seq, work / f"llama-server-t{t}.log")
               for t in thread_counts]
     log(f"logs in {work}; llama-server: {' '.join(llamas[0].command[1:])}")
@@ -361,7 +369,7 @@ def main(argv=None) -> int:
     for row in rows:
         if row["streams"] == 1:
             print(f"llama.cpp decode only (its timings), {row['workload']} x1: " + ", ".join(
-                f"-t {t} {rate:.1f} tok/s = {rate * weights / 1e9:.1f} GB/s of f32 weights ({weights / 1e6:.0f} MB a token)"
+                f"-t {t} {rate:.1f} tok/s = {rate * weights / 1e9:.1f} GB/s of {args.weights} weights ({weights / 1e6:.0f} MB a token)"
                 for t, rate in row["llama_decode_tok_s_per_request"].items()))
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     print(f"llama.cpp {commit} (llama-cpp-python {args.llama_cpp_python} sdist)")

@@ -39,12 +39,18 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     model = engine.runner.model
     spent = dict.fromkeys(("forward", "runner", "schedule", "update", "events", "processor"), 0.0)
 
+    import torch
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # the forward's time, not its launch
+
     def timed(fn, part):
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if sync is not None and part == "forward":
+                    sync()
                 spent[part] += time.perf_counter() - t
         return wrapper
 
