@@ -354,7 +354,7 @@ def main(argv=None) -> int:
             server.stop()
     load_after = load_average()
 
-    print(f"\nSmolLM2-135M-Instruct fp32, {args.max_tokens} greedy tokens per request (ignore_eos), "
+    print(f"\nSmolLM2-135M-Instruct, {args.weights} weights, {args.max_tokens} greedy tokens per request (ignore_eos), "
           f"best of {args.repeats}; ratio = ours / llama.cpp")
     header = f"{'workload':<9}{'streams':>8}{'ours tok/s':>12}" + "".join(
         f"{f'llama -t {t} tok/s':>19}{'ratio':>7}" for t in thread_counts)
