@@ -51,7 +51,7 @@ class _PerStepMemo:
         return self.results[key]
 
 
-_TILES, _SEGMENT_SLOTS = _PerStepMemo(), _PerStepMemo()
+_TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS = _PerStepMemo(), _PerStepMemo(), _PerStepMemo()
 
 
 def _adapter_tiles(token_slots, ranks):
@@ -232,21 +232,31 @@ def _gather_head(cache, h, blocks, outside):
 _ALL_HEADS_ELEMENTS = 1 << 19
 
 
-def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale):
+def _layout(q_pos, block_tables, context_lens, block_size):
+    """What _attend needs besides q and the caches: (blocks, outside, bias [B, Lq, L], answered [B, Lq, 1, 1])."""
+    blocks, outside = _context_rows(block_tables, context_lens, block_size)
+    length = blocks.shape[1] * block_size
+    q_pos = q_pos.long()
+    visible = torch.arange(length, device=q_pos.device) <= q_pos[:, :, None]  # [B, Lq, L]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+    return blocks, outside, bias, (q_pos >= 0)[:, :, None, None]
+
+
+def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layout=None):
     """Attention of a padded batch of queries over paged KV, in fp32: [B, Lq, Hq, D].
 
     q [B, Lq, Hq, D]; q_pos [B, Lq]: the cache position of each query, which sees the keys at
     positions 0..q_pos (its own included). q_pos = -1 sees nothing and gives zeros (padding
     queries, empty contexts). Query heads h*G..h*G+G-1 use KV head h, G = Hq // Hkv (GQA).
+    ``layout``: _layout's result for these arguments, when the caller has it already.
     """
     num_seqs, num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    blocks, outside = _context_rows(block_tables, context_lens, k_cache.shape[1])
-    length = blocks.shape[1] * k_cache.shape[1]
-    q_pos = q_pos.to(q.device).long()
-    visible = torch.arange(length, device=q.device) <= q_pos[:, :, None]  # [B, Lq, L]
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+    if layout is None:
+        layout = _layout(q_pos.to(q.device), block_tables, context_lens, k_cache.shape[1])
+    blocks, outside, bias, answered = layout
+    length = bias.shape[-1]
     q = q.float()
     if num_seqs * length * hkv * d <= _ALL_HEADS_ELEMENTS:
         out = _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale)
@@ -261,7 +271,7 @@ def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale):
             probs = torch.softmax(scores, dim=-1)  # NaN for a query that sees no key; replaced below
             o = torch.bmm(probs.view(num_seqs, num_q * group, length), v)
             out[:, :, heads] = o.view(num_seqs, num_q, group, d)
-    return torch.where((q_pos >= 0)[:, :, None, None], out, 0.0)
+    return torch.where(answered, out, 0.0)
 
 
 def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale):
@@ -295,10 +305,17 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     num_seqs, hq, d = q.shape
     length = int(context_lens.max()) if num_seqs else 0
     step = _chunk(length * max(hq // k_cache.shape[2], d))  # per KV head: scores, gathered K / V
+    block_size = k_cache.shape[1]
     for lo in range(0, num_seqs, step):
         seqs = slice(lo, lo + step)
-        q_pos = context_lens[seqs].long()[:, None] - 1  # the new token is the last one in the cache
-        o = _attend(q[seqs, None], q_pos, k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale)
+
+        def layout():
+            q_pos = context_lens[seqs].to(q.device).long()[:, None] - 1  # the new token is the last one in the cache
+            return q_pos, _layout(q_pos, block_tables[seqs], context_lens[seqs], block_size)
+
+        key = (lo, step, block_size, block_tables.data_ptr(), tuple(block_tables.shape))
+        q_pos, rows = _DECODE_LAYOUTS.get(context_lens, key, layout)  # every layer of a step asks the same
+        o = _attend(q[seqs, None], q_pos, k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale, rows)
         out[seqs] = o[:, 0].to(q.dtype)
     return out
 
