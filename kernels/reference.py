@@ -51,7 +51,7 @@ class _PerStepMemo:
         return self.results[key]
 
 
-_TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS = _PerStepMemo(), _PerStepMemo(), _PerStepMemo()
+_TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS, _WRITE_ROWS = _PerStepMemo(), _PerStepMemo(), _PerStepMemo(), _PerStepMemo()
 
 
 def _adapter_tiles(token_slots, ranks):
@@ -167,15 +167,26 @@ def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
 # ---------------------------------------------------------------------------------------------
 
 
+def _write_rows(slot_mapping):
+    """(flat slots to write int64, the rows they take: None for all of them)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[keep].long(), keep.nonzero().squeeze(1)
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset); slot < 0 skips."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    slots, rows = _WRITE_ROWS.get(slot_mapping, (), lambda: _write_rows(slot_mapping))  # every layer: the same
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if rows is not None:
+            new = new.index_select(0, rows)
+        new, at = new.to(cache.dtype), slots.to(cache.device)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, at, new)  # [num_blocks * block_size, Hkv, D]: slot = row
+        else:
+            block_size = cache.shape[1]
+            cache[torch.div(at, block_size, rounding_mode="floor"), at % block_size] = new
 
 
 def copy_blocks(kv_cache, src, dst):
