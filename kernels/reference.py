@@ -25,6 +25,7 @@ result, even when they are NaN (NaN * 0 is NaN, so masking by multiplication is 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------
 # LoRA: BGMV (one adapter slot per token) and SGMV (one per contiguous segment of tokens)
@@ -269,7 +270,9 @@ def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layou
     blocks, outside, bias, answered = layout
     length = bias.shape[-1]
     q = q.float()
-    if num_seqs * length * hkv * d <= _ALL_HEADS_ELEMENTS:
+    if num_seqs == 1 and num_q == 1:  # one decode stream: torch's fused attention (SmolLM2: +12%; at 16: -6%)
+        out = _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale)
+    elif num_seqs * length * hkv * d <= _ALL_HEADS_ELEMENTS:
         out = _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale)
     else:
         out = torch.empty(num_seqs, num_q, hq, d, dtype=torch.float32, device=q.device)
@@ -303,6 +306,21 @@ def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale):
     probs = torch.softmax(scores, dim=-1)
     o = torch.bmm(probs.view(num_seqs * hkv, num_q * group, length), v)
     return o.view(num_seqs, hkv, num_q, group, d).transpose(1, 2).reshape(num_seqs, num_q, hq, d)
+
+
+def _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale):
+    """_attend_all_heads through torch's fused CPU attention: K and V gathered once, no head-major copy."""
+    num_seqs, num_q, hq, d = q.shape
+    hkv, length = k_cache.shape[2], bias.shape[-1]
+
+    def gather(cache):  # [B, Hkv, L, D] (a view); rows past a context are zeroed before any arithmetic
+        rows = cache.index_select(0, blocks.flatten().to(cache.device)).flatten(0, 1)  # [B * L, Hkv, D]
+        rows.index_fill_(0, outside.to(cache.device), 0)
+        return rows.view(num_seqs, length, hkv, d).float().transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), gather(k_cache), gather(v_cache), attn_mask=bias[:, None],
+                                       scale=scale, enable_gqa=hq != hkv)  # [B, Hq, Lq, D]
+    return o.transpose(1, 2)
 
 
 def _chunk(per_seq_elements):

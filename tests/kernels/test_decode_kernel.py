@@ -107,3 +107,20 @@ def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
         results.append((decode, prefill))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_one_stream_sdpa_agrees_with_the_batched_path(group):
+    """A decode step of one sequence takes torch's fused attention; it must give what the same
+    sequence gets inside a batch (bmm path), NaN in the cache rows outside its context, empty ones too."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [0, 1, 15, 16, 17, 40]
+    cache = paged_cache(lens, 2, 32, 16, torch.float32, gen)
+    q = randn(len(lens), 2 * group, 32, dtype=torch.float32, gen=gen)
+    batched = reference.paged_attention_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                               cache.context_lens, 0.2)
+    for b in range(len(lens)):
+        alone = reference.paged_attention_decode(q[b:b + 1], cache.k_cache, cache.v_cache,
+                                                 cache.block_tables[b:b + 1].clone(), cache.context_lens[b:b + 1].clone(), 0.2)
+        assert torch.isfinite(alone).all()
+        torch.testing.assert_close(alone[0], batched[b], rtol=1e-5, atol=1e-6)
