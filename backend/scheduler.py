@@ -471,16 +471,7 @@ class Scheduler:
                         self._append(child, tokens[row], logprobs[row], tops[row], charges, maybe_done)
                         changed.append(child)
                     seq.forks = []
-                ids = seq.token_ids
-                ids.append(token)
-                seq.cumulative_logprob += logprobs[i]
-                if tops[i] is not None:
-                    seq.pending_logprobs.append(tops[i])
-                if charges is not None:
-                    key = (seq.request.tenant, _weight(seq.request))
-                    charges[key] = charges.get(key, 0) + 1
-                if len(ids) >= seq.stop_length or token in seq.stop_ids:
-                    maybe_done.append((seq, token))
+                self._append(seq, token, logprobs[i], tops[i], charges, maybe_done)
             except Exception as exc:  # noqa: BLE001 - e.g. a fork failed: fail this request, not the step
                 seq.error = exc
             changed.append(seq)
@@ -507,17 +498,19 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 
-    def _append(self, seq: Sequence, token: int, logprob: float, top, charges: dict | None,
-                maybe_done: list) -> None:
-        """update's steps for one forked sample's first token."""
-        seq.token_ids.append(token)
+    @staticmethod
+    def _append(seq: Sequence, token: int, logprob: float, top, charges: dict | None, maybe_done: list) -> None:
+        """update's steps for one sampled token: append it, count it, note whether it may end the sequence."""
+        ids = seq.token_ids
+        ids.append(token)
         seq.cumulative_logprob += logprob
         if top is not None:
             seq.pending_logprobs.append(top)
         if charges is not None:
             key = (seq.request.tenant, _weight(seq.request))
             charges[key] = charges.get(key, 0) + 1
-        maybe_done.append((seq, token))
+        if len(ids) >= seq.stop_length or token in seq.stop_ids:
+            maybe_done.append((seq, token))
 
     def _end_if_finished(self, seq: Sequence, token: int) -> bool:
         """End the sequence if the token finished it (freeing its blocks and pin); True if it did."""
