@@ -29,11 +29,6 @@ from loraplex.scheduler import Scheduler  # noqa: E402
 from loraplex.tenancy import Tenant  # noqa: E402
 
 
-class _NullDetok:
-    def update(self, token_ids, final=False):
-        return None
-
-
 def bench(fair_share: str, tenants: int, seqs: int, waiting: int, steps: int, limit: int = 0) -> tuple[float, float]:
     """Mean ms per step (schedule + update) and admissions per step."""
     config = EngineConfig(block_size=16, max_num_seqs=seqs, max_num_batched_tokens=8192, fair_share=fair_share)
@@ -51,7 +46,7 @@ def bench(fair_share: str, tenants: int, seqs: int, waiting: int, steps: int, li
         prompt = [3 + (n + i) % 90 for i in range(16)]
         req = Request(f"r{n}", "", prompt, params, name, limits=limits[name] if limit else None)
         seq = Sequence(n, req, 0, list(prompt), len(prompt))
-        seq.namespace, seq.detok = namespace_key(name, None), _NullDetok()
+        seq.namespace = namespace_key(name, None)
         sched.add(seq)
 
     for _ in range(waiting):

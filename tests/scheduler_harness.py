@@ -45,13 +45,6 @@ def reference_tokens(prompt: list[int], max_tokens: int, index: int = 0) -> list
     return tokens[len(prompt):]
 
 
-class NullDetok:
-    """Detokenizer stand-in: no text, no stop strings."""
-
-    def update(self, token_ids, final=False):
-        return None
-
-
 class FakeAdapters:
     """Device slots with pins and LRU eviction of unpinned adapters (AdapterManager's acquire/release contract)."""
 
@@ -181,7 +174,6 @@ class Harness:
         for index in range(n):
             seq = Sequence(next(self._ids), req, index, list(tokens), len(tokens))
             seq.namespace = namespace_key(tenant, lora)
-            seq.detok = NullDetok()
             seqs.append(seq)
         seqs[0].forks = seqs[1:]
         self.sched.add(seqs[0])
