@@ -71,19 +71,8 @@ class IncrementalDetokenizer:
 
     def push(self, token: int, match_stops: bool = True) -> str | None:
         """Account for one new output token; returns the matched stop string, if any (only with match_stops)."""
-        ids = self.ids
-        ids.append(token)
-        if self._stream is None or self._fed != len(ids) - 1:
-            return self.update(ids, match_stops=match_stops)
-        backend, stream = self._stream  # _step_stream for one token, without its loop
-        piece = stream.step(backend, token)
-        self._fed += 1
-        if not piece:
-            return None
-        start = len(self.text)
-        self.text += piece
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return self._match_stop(start) if match_stops else None
+        self.ids.append(token)
+        return self.update(self.ids, match_stops=match_stops)
 
     def finish(self) -> None:
         """flush() over the pushed tokens."""
@@ -119,8 +108,6 @@ class IncrementalDetokenizer:
         return self._match_stop(start) if match_stops else None
 
     def _match_stop(self, start: int) -> str | None:
-        if not self.stops:
-            return None
         for stop in self.stops:
             at = self.text.find(stop, max(0, start - len(stop) + 1))
             if at != -1:

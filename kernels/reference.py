@@ -32,7 +32,7 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------
 
 
-class _PerStepMemo:
+class PerStepMemo:
     """Results derived from one step's slot tensor, reused by every layer and module of that step.
 
     Keyed by the tensor's identity and version (it holds the tensor, so the identity cannot be
@@ -52,7 +52,7 @@ class _PerStepMemo:
         return self.results[key]
 
 
-_TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS, _WRITE_ROWS = _PerStepMemo(), _PerStepMemo(), _PerStepMemo(), _PerStepMemo()
+_TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS, _WRITE_ROWS = PerStepMemo(), PerStepMemo(), PerStepMemo(), PerStepMemo()
 
 
 def _adapter_tiles(token_slots, ranks):
@@ -182,12 +182,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     for cache, new in ((k_cache, k), (v_cache, v)):
         if rows is not None:
             new = new.index_select(0, rows)
-        new, at = new.to(cache.dtype), slots.to(cache.device)
-        if cache.is_contiguous():
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, at, new)  # [num_blocks * block_size, Hkv, D]: slot = row
-        else:
-            block_size = cache.shape[1]
-            cache[torch.div(at, block_size, rounding_mode="floor"), at % block_size] = new
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D]: a slot is a row
+        flat.index_copy_(0, slots.to(cache.device), new.to(cache.dtype))
 
 
 def copy_blocks(kv_cache, src, dst):
@@ -288,18 +284,19 @@ def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layou
     return torch.where(answered, out, 0.0)
 
 
+def _gather_all_heads(cache, blocks, outside):
+    """Like _gather_head for every KV head at once: [B, Hkv, L, D] in fp32 (a view), zero outside each context."""
+    rows = cache.index_select(0, blocks.flatten().to(cache.device)).flatten(0, 1)  # [B * L, Hkv, D]
+    rows.index_fill_(0, outside.to(cache.device), 0)
+    return rows.view(blocks.shape[0], -1, *cache.shape[2:]).float().transpose(1, 2)
+
+
 def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale):
     """_attend's matmuls for every KV head at once: K and V gathered once, head-major [B * Hkv, L, D]."""
     num_seqs, num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group, length = hq // hkv, bias.shape[-1]
-
-    def gather(cache):  # like _gather_head for all heads: rows past a context are zeroed before any arithmetic
-        rows = cache.index_select(0, blocks.flatten().to(cache.device)).flatten(0, 1)  # [B * L, Hkv, D]
-        rows.index_fill_(0, outside.to(cache.device), 0)
-        return rows.view(num_seqs, length, hkv, d).float().transpose(1, 2).reshape(num_seqs * hkv, length, d)
-
-    k, v = gather(k_cache), gather(v_cache)
+    k, v = (_gather_all_heads(c, blocks, outside).reshape(num_seqs * hkv, length, d) for c in (k_cache, v_cache))
     qh = q.view(num_seqs, num_q, hkv, group, d).transpose(1, 2).reshape(num_seqs * hkv, num_q * group, d)
     scores = torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, hkv, num_q, group, length) * scale
     scores += bias[:, None, :, None]
@@ -310,16 +307,9 @@ def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale):
 
 def _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale):
     """_attend_all_heads through torch's fused CPU attention: K and V gathered once, no head-major copy."""
-    num_seqs, num_q, hq, d = q.shape
-    hkv, length = k_cache.shape[2], bias.shape[-1]
-
-    def gather(cache):  # [B, Hkv, L, D] (a view); rows past a context are zeroed before any arithmetic
-        rows = cache.index_select(0, blocks.flatten().to(cache.device)).flatten(0, 1)  # [B * L, Hkv, D]
-        rows.index_fill_(0, outside.to(cache.device), 0)
-        return rows.view(num_seqs, length, hkv, d).float().transpose(1, 2)
-
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), gather(k_cache), gather(v_cache), attn_mask=bias[:, None],
-                                       scale=scale, enable_gqa=hq != hkv)  # [B, Hq, Lq, D]
+    k, v = _gather_all_heads(k_cache, blocks, outside), _gather_all_heads(v_cache, blocks, outside)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias[:, None], scale=scale,
+                                       enable_gqa=q.shape[2] != k_cache.shape[2])  # [B, Hq, Lq, D]
     return o.transpose(1, 2)
 
 

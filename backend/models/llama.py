@@ -104,6 +104,7 @@ class LlamaModel:
                 packed[m] = pack_fp16(layer[m], layer.get(m + ".bias"))
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
+
     @staticmethod
     def _take_layer(w: dict, i: int) -> dict:
         p = f"model.layers.{i}."

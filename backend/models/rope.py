@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..kernels.reference import PerStepMemo
+
 
 def _rope_settings(config) -> tuple[float, dict]:
     params = getattr(config, "rope_parameters", None) or {}
@@ -43,17 +45,11 @@ class RotaryEmbedding:
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self._at = (None, None, None, None)  # (positions, its version, cos, sin) of the latest positions tensor
+        self._rows = PerStepMemo()  # q and k of every layer rotate by the same step's positions
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows of positions [T, 1, D], gathered once per step's positions tensor (q and k of
-        every layer share it; held here, its identity cannot be reused while cached)."""
-        held, version, cos, sin = self._at
-        now = None if positions.is_inference() else positions._version  # inference tensors keep no version
-        if positions is not held or now != version:
-            cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-            self._at = (positions, now, cos, sin)
-        return cos, sin
+        """cos and sin rows of positions [T, 1, D], gathered once per step's positions tensor."""
+        return self._rows.get(positions, (), lambda: (self.cos[positions][:, None, :], self.sin[positions][:, None, :]))
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by positions [T]."""

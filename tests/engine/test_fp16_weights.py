@@ -12,8 +12,7 @@ import shutil
 
 import peft_reference as ref
 import pytest
-import torch
-from test_multi_lora import LOGIT_ATOL, LOGIT_BATCHES, engine_logits, make_engine
+from test_multi_lora import LOGIT_ATOL, LOGIT_BATCHES, logits_match_peft, make_engine
 
 from loraplex.config import EngineConfig
 from loraplex.request import SamplingParams
@@ -46,16 +45,9 @@ def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch):
     engine = make_engine(family, weight_dtype="float16")
     assert engine.model.packed is not None and engine.model.layers[0]["q_proj"] is None  # no fp32 copy kept
     moved = 0.0
-    for batch in LOGIT_BATCHES:
-        rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
-        prefill, nxt, decode = engine_logits(engine, rows)
-        for i, (ids, name) in enumerate(rows):
-            adapter = family.adapters[name] if name else None
-            want = ref.first_logits(oracle.model_dir, adapter, ids)
-            want_next = ref.first_logits(oracle.model_dir, adapter, ids + [nxt[i]])
-            torch.testing.assert_close(prefill[i], want, atol=LOGIT_ATOL, rtol=0)
-            torch.testing.assert_close(decode[i], want_next, atol=LOGIT_ATOL, rtol=0)
-            moved = max(moved, float((ref.first_logits(family.model_dir, adapter, ids) - want).abs().max()))
+    for ids, name, want, _ in logits_match_peft(engine, family, oracle.model_dir):
+        adapter = family.adapters[name] if name else None
+        moved = max(moved, float((ref.first_logits(family.model_dir, adapter, ids) - want).abs().max()))
     assert moved > 10 * LOGIT_ATOL  # the rounding is visible: the oracle is not the fp32 model
     for prompt, name in LOGIT_BATCHES[0]:
         ids = engine.tokenizer(prompt).input_ids

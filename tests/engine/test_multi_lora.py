@@ -241,24 +241,34 @@ LOGIT_BATCHES = [
 ]
 
 
-def test_first_step_logits_match_peft(lora_family, lora_arch):
-    family = lora_family(lora_arch)
-    engine = make_engine(family)
-    worst = 0.0
+def logits_match_peft(engine: LLMEngine, family, model_dir: str) -> list[tuple[list[int], str | None, torch.Tensor, float]]:
+    """Assert every LOGIT_BATCHES row's prefill and decode logits equal peft's on model_dir (within
+    LOGIT_ATOL); returns per row (prompt ids, adapter name, peft's prefill logits, the larger difference)."""
+    checked = []
     for batch in LOGIT_BATCHES:
         rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
         prefill, nxt, decode = engine_logits(engine, rows)
         for i, (ids, name) in enumerate(rows):
             adapter_dir = family.adapters[name] if name else None
-            want = ref.first_logits(family.model_dir, adapter_dir, ids)
-            want_next = ref.first_logits(family.model_dir, adapter_dir, ids + [nxt[i]])
+            want = ref.first_logits(model_dir, adapter_dir, ids)
+            want_next = ref.first_logits(model_dir, adapter_dir, ids + [nxt[i]])
             for step, got, expected in (("prefill", prefill[i], want), ("decode", decode[i], want_next)):
                 torch.testing.assert_close(got, expected, atol=LOGIT_ATOL, rtol=0,
                                            msg=lambda m, step=step: f"{name} row {i} {step}: {m}")
-            worst = max(worst, float((prefill[i] - want).abs().max()), float((decode[i] - want_next).abs().max()))
-            if name:  # the adapter moves the logits far beyond the tolerance
-                base = ref.first_logits(family.model_dir, None, ids)
-                assert float((want - base).abs().max()) > 1000 * LOGIT_ATOL, name
+            error = max(float((prefill[i] - want).abs().max()), float((decode[i] - want_next).abs().max()))
+            checked.append((ids, name, want, error))
+    return checked
+
+
+def test_first_step_logits_match_peft(lora_family, lora_arch):
+    family = lora_family(lora_arch)
+    engine = make_engine(family)
+    worst = 0.0
+    for ids, name, want, error in logits_match_peft(engine, family, family.model_dir):
+        worst = max(worst, error)
+        if name:  # the adapter moves the logits far beyond the tolerance
+            base = ref.first_logits(family.model_dir, None, ids)
+            assert float((want - base).abs().max()) > 1000 * LOGIT_ATOL, name
     assert engine.adapters.pinned_count() == 0
     assert engine.adapters.evictions == 3  # the second batch displaced the first one's three adapters
     assert engine.adapters.loads_from_disk == 6
