@@ -10,6 +10,7 @@ a CUDA tensor arrives, so CPU-only users never need it.
 from __future__ import annotations
 
 from .dispatch import check_model, run
+from .prefill_sdpa import remember_host_lengths
 
 
 def lora_shrink_bgmv(x, a_stack, token_slots, ranks):
@@ -61,5 +62,6 @@ __all__ = [
     "lora_shrink_sgmv",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "remember_host_lengths",
     "write_kv",
 ]

@@ -58,3 +58,30 @@ def test_impl_selection(cpu):
     with pytest.raises(ValueError, match="impl"):
         prefill_launch.paged_attention_prefill(*args, impl="flash")
     assert prefill_launch.DEFAULT_IMPL in prefill_launch.IMPLS
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 5, 1, 3, 1], [1, 6], [4, 1, 1]], ids=["interleaved", "one-decode", "decodes-last"])
+def test_decodes_mixed_with_prefill_chunks(query_lens):
+    # one-token sequences (decodes) go through the batched decode attention in one call, the others through SDPA
+    context_lens = [n + 3 * i for i, n in enumerate(query_lens)]
+    args = inputs(torch.float32, query_lens, context_lens, 4, 2, 32, 4)
+    assert_close(paged_attention_prefill_sdpa(*args), reference.paged_attention_prefill(*args), torch.float32)
+
+
+def test_host_lengths_spare_every_device_read(monkeypatch):
+    from loraplex.kernels import remember_host_lengths
+
+    args = inputs(torch.float32, [1, 1, 5, 2], [4, 9, 5, 6], 4, 2, 32, 4)
+    q, k_cache, v_cache, tables, cu, lens, scale = args
+    want = reference.paged_attention_prefill(*args)
+    remember_host_lengths(cu, lens, cu.tolist(), lens.tolist())
+
+    def read_back(self):
+        raise AssertionError("a device tensor was read back")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read_back)
+    monkeypatch.setattr(torch.Tensor, "item", read_back)
+    layers = [paged_attention_prefill_sdpa(*args) for _ in range(3)]  # every layer of the step
+    monkeypatch.undo()
+    for got in layers:
+        assert_close(got, want, torch.float32)

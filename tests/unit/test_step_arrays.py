@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.model_runner import StepArrays
+from loraplex.step_arrays import StepArrays
 from loraplex.request import SamplingParams
 from loraplex.sampler import make_generator, sample, sample_tokens, token_logprobs
 
