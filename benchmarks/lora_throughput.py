@@ -33,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from loraplex.lora.shapes import MODULES
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, when imported from elsewhere
 
-ALL = list(MODULES)
-ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+import peers  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,31 +71,10 @@ def log(msg: str) -> None:
 
 def build_assets(args, work: Path, num_adapters: int) -> tuple[str, dict[str, str]]:
     """Model checkpoint and num_adapters random PEFT adapters; returns (model_dir, name -> path)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from loraplex.demo import build_peft_adapter, build_tiny_llama
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    if args.model_dir:
-        model_dir = args.model_dir
-    else:
-        model_dir = str(build_tiny_llama(
-            work / "model", hidden_size=args.hidden, intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-            initializer_range=0.02, lm_head_scale=1.0,
-        ))
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    targets = ALL if args.targets == "all" else ATTN
-    adapters = {}
-    for i in range(num_adapters):
-        name = f"lora{i:02d}"
-        out = build_peft_adapter(model_dir, work / "adapters" / name, args.rank, 2 * args.rank, targets, 1000 + i,
-                                 model=base, b_scale=0.1)
-        adapters[name] = str(out)
-    return model_dir, adapters
+    return peers.build_model_and_adapters(
+        work, num_adapters, args.rank, args.targets, model_dir=args.model_dir, hidden_size=args.hidden,
+        intermediate_size=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads)
 
 
 def make_prompts(tokenizer, batch: int, prompt_len: int) -> list[str]:
@@ -121,13 +99,6 @@ def assign(batch: int, names: list[str]) -> list[str | None]:
     return [names[i % len(names)] if names else None for i in range(batch)]
 
 
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_engine(engine, prompts: list[str], loras: list[str | None], max_tokens: int, tag: str) -> dict:
     """One batch to completion; decode and end-to-end throughput and the generated ids."""
     from loraplex.request import SamplingParams
@@ -140,7 +111,7 @@ def run_engine(engine, prompts: list[str], loras: list[str | None], max_tokens: 
         reqs.append(engine.make_request(f"{tag}-{i}", prompt, SamplingParams.from_dict(params)))
     produced = {r.request_id: [] for r in reqs}
     decode_time, decode_tokens, steps = 0.0, 0, 0
-    _sync(engine.device)
+    peers.sync(engine.device)
     t0 = time.perf_counter()
     for r in reqs:
         engine.add_request(r)
@@ -148,7 +119,7 @@ def run_engine(engine, prompts: list[str], loras: list[str | None], max_tokens: 
         had_first = {rid for rid, toks in produced.items() if toks}
         s0 = time.perf_counter()
         outs = engine.step()
-        _sync(engine.device)
+        peers.sync(engine.device)
         dt = time.perf_counter() - s0
         steps += 1
         new = [(o.request_id, o.token_ids) for o in outs if o.token_ids]
@@ -169,72 +140,16 @@ def run_engine(engine, prompts: list[str], loras: list[str | None], max_tokens: 
             "tokens": [produced[r.request_id] for r in reqs]}
 
 
-class _FirstTokenClock:
-    """A generate() streamer that timestamps the first generated token (its 2nd put call)."""
-
-    def __init__(self, device):
-        self.device, self.calls, self.first = device, 0, None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            _sync(self.device)
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def run_peft(model, tokenizer, prompts, loras, max_tokens: int, device) -> dict:
+def run_peft(model, tokenizer, prompts, loras, max_tokens: int) -> dict:
     """Naive serving: for each adapter (in order of first use) one batched generate of its requests.
 
     ``model`` is a PeftModel holding every adapter, or the plain HF model when loras are all None.
     """
-    import torch
-
-    groups: dict[str | None, list[int]] = {}
-    for i, lora in enumerate(loras):
-        groups.setdefault(lora, []).append(i)
-    tokens: list[list[int] | None] = [None] * len(prompts)
-    decode_time, decode_tokens = 0.0, 0
-    _sync(device)
-    t0 = time.perf_counter()
-    for lora, rows in groups.items():
-        if lora is not None:
-            model.set_adapter(lora)
-        ids = torch.tensor([tokenizer(prompts[i]).input_ids for i in rows], device=device)
-        clock = _FirstTokenClock(device)
-        with torch.inference_mode():
-            out = _generate(model, ids, max_tokens, clock, tokenizer)
-        _sync(device)
-        end = time.perf_counter()
-        if max_tokens > 1:
-            decode_time += end - clock.first
-            decode_tokens += len(rows) * (max_tokens - 1)
-        for k, i in enumerate(rows):
-            tokens[i] = out[k, ids.shape[1]:].tolist()
-    total = time.perf_counter() - t0
-    return {"decode_tok_s": decode_tokens / decode_time if decode_time else float("nan"),
-            "e2e_tok_s": len(prompts) * max_tokens / total, "seconds": total, "tokens": tokens}
-
-
-def _generate(model, ids, max_tokens, streamer, tokenizer):
-    """Greedy, exactly max_tokens new tokens; EOS may be generated and does not stop (vLLM's ignore_eos).
-
-    min_new_tokens would instead forbid EOS (other tokens than the engine's), and an
-    eos_token_id=None passed here is refilled from model.generation_config, so main() clears
-    it on the models themselves.
-    """
-    import copy
-
-    import torch
-
-    config = copy.deepcopy(model.generation_config)
-    assert config.eos_token_id is None, "clear the model's generation_config.eos_token_id (see main)"
-    config.do_sample, config.max_new_tokens, config.max_length = False, max_tokens, None
-    config.pad_token_id = tokenizer.pad_token_id or 0
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                          streamer=streamer)
+    jobs = [peers.Job(tokenizer(p).input_ids, max_tokens, lora) for p, lora in zip(prompts, loras)]
+    run = peers.run_static(model, jobs, peers.batches_by_adapter(jobs, len(jobs)), tokenizer.pad_token_id or 0,
+                           adapters="set" if any(loras) else "none")
+    return {"decode_tok_s": run.decode_tokens_per_s, "e2e_tok_s": run.tokens_per_s, "seconds": run.seconds,
+            "tokens": run.tokens}
 
 
 def best(runs: list[dict]) -> dict:
@@ -266,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"building model and {max(counts)} adapters under {work}")
     model_dir, adapter_dirs = build_assets(args, work, max(counts))
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from loraplex.config import EngineConfig
     from loraplex.engine import LLMEngine
@@ -283,16 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
         enable_prefix_caching=False,
     ))
-    torch_dtype = getattr(torch, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-    for m in (hf, wrapped):
-        m.generation_config.eos_token_id = None  # ignore_eos: EOS does not end a sequence
+    hf, peft_model = peers.load_peer_models(model_dir, adapter_dirs, dtype, device)  # EOS does not end a sequence
     names = sorted(adapter_dirs)
-    peft_model = PeftModel.from_pretrained(wrapped, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        peft_model.load_adapter(adapter_dirs[name], adapter_name=name)
-    peft_model.eval()
     log(f"device {device}, dtype {dtype}, torch threads {torch.get_num_threads()}; setup "
         f"{time.perf_counter() - t_start:.1f}s")
 
@@ -303,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         run_engine(engine, prompts, loras, min(4, args.max_tokens), "warm")  # loads adapters into slots
         eng = best([run_engine(engine, prompts, loras, args.max_tokens, f"{label}-{k}") for k in range(args.repeats)])
         model = hf if not row_names else peft_model
-        run_peft(model, tokenizer, prompts[:2], loras[:2], 2, device)  # warm-up
-        ref = best([run_peft(model, tokenizer, prompts, loras, args.max_tokens, device) for _ in range(args.repeats)])
+        run_peft(model, tokenizer, prompts[:2], loras[:2], 2)  # warm-up
+        ref = best([run_peft(model, tokenizer, prompts, loras, args.max_tokens) for _ in range(args.repeats)])
         match = sum(a == b for a, b in zip(eng["tokens"], ref["tokens"]))
         results.append({"row": label, "adapters": len(row_names), "engine": eng, "peft": ref, "match": match})
         log(f"{label}: engine decode {eng['decode_tok_s']:.0f} tok/s, peft decode {ref['decode_tok_s']:.0f} tok/s")

@@ -1,6 +1,7 @@
 """Serving benchmark: `loraplex-serve` under NVIDIA AIPerf load, one server per configuration.
 
     python benchmarks/serving.py [--quick] [--configs continuous,static,no-prefix-cache] [--json PATH]
+    python benchmarks/serving.py --workload w1 [--quick] [--json PATH]
 
 For each configuration the script starts `loraplex-serve` (its own adapter store in a temp
 dir, free ports, `--engine-config` set to the configuration's knobs), waits for
@@ -27,6 +28,17 @@ the run, checked against the sum of the requests' `max_tokens` (exact under
 = (e2e latency - TTFT) / (max_tokens - 1). Request throughput, TTFT and e2e latency are
 AIPerf's own figures (TTFT: the first streamed chunk with text).
 
+--workload w1 (issue 11, goal 1): one server, the default configuration, on W1's random
+model (built once under .cache/w1/) with its 8 adapters in the adapter store. AIPerf sends
+the 48 requests of a fixed-seed single-turn dataset (text + output_length) all at once
+(concurrency = request count), round-robin over the adapters, then again on the base
+model (--no-base-run: not). With the server stopped, the peers of peers.py run in this
+process on the prompts and max_tokens AIPerf sent (its inputs.json), with the torch
+threads of the server's engine: peft one adapter at a time and peft mixed-adapter batches
+(static batches of 16), HF `generate` and transformers' continuous batching on the base
+model. Useful output tokens/s = the requests' max_tokens / wall time (ours: AIPerf's
+benchmark duration); one table of ours / each.
+
 AIPerf runs from its own virtualenv (default .cache/aiperf-venv, `make bench` creates
 it): its dependencies would change pinned packages of the serving environment.
 """
@@ -35,9 +47,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import math
 import os
+import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,7 +66,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout without installing; peers.py
+
+import peers  # noqa: E402
 
 from loraplex.processes import answers_ok, start_in_session  # noqa: E402
 from loraplex.tritonserver import free_ports  # noqa: E402
@@ -98,16 +116,71 @@ QUICK_WORKLOAD = Workload(requests=8, rate=8.0, input_tokens=32, input_stddev=8,
 QUICK_CONFIGS = "continuous"
 
 
+@dataclass(frozen=True)
+class W1:
+    """Issue 11's W1 workload: a random LLaMA with random adapters, every request arriving at once."""
+
+    layers: int = 6
+    hidden: int = 512
+    intermediate: int = 1376
+    heads: int = 8
+    kv_heads: int = 8
+    vocab: int = 32000
+    adapters: int = 8  # random PEFT LoRAs on all 7 projections, requests round-robin over them
+    rank: int = 16
+    requests: int = 48
+    prompt_tokens: tuple[int, int] = (32, 256)  # uniform, BOS included
+    output_tokens: tuple[int, int] = (4, 256)  # long-tailed, summing to output_total
+    output_total: int = 2040
+    peer_batch: int = 16  # the static peers' batch size
+    seed: int = 0
+
+    @property
+    def summary(self) -> str:
+        """What it is, in words."""
+        return (f"a random {self.layers}-layer LLaMA, hidden {self.hidden}, vocab {self.vocab}, {self.requests} "
+                f"requests at once round-robin over {self.adapters} random rank-{self.rank} adapters, prompts of "
+                f"{self.prompt_tokens[0]}-{self.prompt_tokens[1]} tokens, long-tailed max_tokens of "
+                f"{self.output_tokens[0]}-{self.output_tokens[1]}, {self.output_total} in all")
+
+    @property
+    def model_key(self) -> str:
+        """Names the cached checkpoint and adapters of this shape."""
+        return (f"l{self.layers}-h{self.hidden}-i{self.intermediate}-a{self.heads}-kv{self.kv_heads}-v{self.vocab}"
+                f"-{self.adapters}x-r{self.rank}")
+
+
+W1_WORKLOAD = W1()
+# The W1 path at a size that runs in seconds: every step of it (model, adapters, AIPerf's burst,
+# the base-model run, each peer, the ratios), none of its figures.
+QUICK_W1_WORKLOAD = W1(layers=2, hidden=128, intermediate=344, heads=4, kv_heads=4, vocab=1024, adapters=2, rank=8,
+                       requests=6, prompt_tokens=(8, 24), output_tokens=(2, 8), output_total=24, peer_batch=4)
+WORDS = ("the quick brown fox jumps over a lazy dog while many tenants share one server and each of them "
+         "asks for its own adapter").split()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("synthetic", "w1"), default="synthetic",
+                    help="synthetic: AIPerf's synthetic prompts at --rate over the built-in model's adapters, one "
+                         f"server per configuration; w1: issue 11's W1 ({W1_WORKLOAD.summary}; --seed applies, the "
+                         "other workload and model flags do not) through Triton with the adapters and with the base "
+                         "model, then the peers in-process on the prompts AIPerf sent (default: %(default)s)")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"w1: comma-separated in-process peers (default: all); choices: {', '.join(PEERS)}")
+    ap.add_argument("--base-run", action=argparse.BooleanOptionalAction, default=True,
+                    help="w1: after the adapters' run, the same requests through Triton on the base model, without "
+                         "lora_name (default: on)")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: {QUICK_WORKLOAD.requests} requests, configuration {QUICK_CONFIGS} "
-                         "(unless --configs is given); the workload flags below are ignored")
+                         "(unless --configs is given); the workload flags below are ignored. With --workload w1: "
+                         f"W1's steps at a tiny size ({QUICK_W1_WORKLOAD.summary})")
     ap.add_argument("--configs", default=None,
                     help=f"comma-separated configurations, the first is the baseline of the ratios "
-                         f"(default: {','.join(CONFIGURATIONS)}); choices: {', '.join(CONFIGURATIONS)}")
+                         f"(default: {','.join(CONFIGURATIONS)}; w1: one, default {QUICK_CONFIGS}); "
+                         f"choices: {', '.join(CONFIGURATIONS)}")
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                     help="built-in model of loraplex-serve (tiny: random 4-layer LLaMA with demo-a/demo-b; "
                          "default: %(default)s)")
@@ -135,11 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
                     help="length of each prefix (tokens)" + default)
     ap.add_argument("--seed", type=int, default=d.seed,
-                    help="AIPerf's random seed (prompts, lengths, arrivals)" + default)
+                    help="AIPerf's random seed (prompts, lengths, arrivals); w1: the seed of its prompts and "
+                         "lengths" + default)
     ap.add_argument("--aiperf", default=str(DEFAULT_AIPERF),
                     help="the aiperf executable (`make bench` installs it into .cache/aiperf-venv)" + default)
     ap.add_argument("--artifacts", default=None,
                     help="folder for AIPerf's exports and the launcher logs, one subfolder per configuration "
+                         "(w1: per AIPerf run, adapters and base, beside the dataset) "
                          "(default: .cache/serving/run-<pid>)")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the server" + default)
@@ -157,11 +232,14 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 def chosen_configs(args: argparse.Namespace) -> dict[str, dict]:
     """name -> engine knobs of each configuration asked for, in order, the common knobs merged under."""
-    names = (args.configs or (QUICK_CONFIGS if args.quick else ",".join(CONFIGURATIONS))).split(",")
+    one_config = args.quick or args.workload == "w1"
+    names = (args.configs or (QUICK_CONFIGS if one_config else ",".join(CONFIGURATIONS))).split(",")
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown:
         raise SystemExit(f"serving.py: unknown configuration(s) {', '.join(unknown)}; "
                          f"choices: {', '.join(CONFIGURATIONS)}")
+    if args.workload == "w1" and len(names) != 1:
+        raise SystemExit(f"serving.py: --workload w1 serves one configuration, --configs names {len(names)}")
     common = json.loads(args.engine_config)
     return {name: {**common, **CONFIGURATIONS[name]} for name in names}
 
@@ -262,25 +340,38 @@ def counter_total(metrics_url: str, name: str) -> float:
     return sum(float(value) for value in pattern.findall(text))
 
 
-def aiperf_command(aiperf: str, http_url: str, workload: Workload, adapters: list[str], template: Path,
-                   tokenizer: Path, out_dir: Path) -> list[str]:
-    """`aiperf profile` for one configuration: template endpoint, streaming, Poisson arrivals, fixed seed."""
-    w = workload
-    command = [
+def aiperf_command(aiperf: str, http_url: str, adapters: list[str], template: Path, tokenizer: Path, out_dir: Path,
+                   load_flags: list[str]) -> list[str]:
+    """`aiperf profile` against one server: template endpoint, streaming, adapters round-robin, then ``load_flags``
+    (the dataset and arrivals: `synthetic_load_flags` or `burst_load_flags`)."""
+    return [
         aiperf, "profile", "--endpoint-type", "template", "--streaming",
         "--url", f"{http_url}/v2/models/lora_llm/generate_stream",
         "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
         "--tokenizer", str(tokenizer), "--model-names", ",".join(adapters),
-        "--model-selection-strategy", "round-robin",
-        "--request-count", str(w.requests), "--request-rate", str(w.rate), "--arrival-pattern", "poisson",
-        "--isl", str(w.input_tokens), "--isl-stddev", str(w.input_stddev),
-        "--osl", str(w.output_tokens), "--osl-stddev", str(w.output_stddev),
-        "--random-seed", str(w.seed), "--artifact-dir", str(out_dir),
+        "--model-selection-strategy", "round-robin", *load_flags, "--artifact-dir", str(out_dir),
         "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1",
     ]
+
+
+def synthetic_load_flags(workload: Workload) -> list[str]:
+    """AIPerf's synthetic prompts and output lengths (normal, fixed seed), Poisson arrivals."""
+    w = workload
+    flags = [
+        "--request-count", str(w.requests), "--request-rate", str(w.rate), "--arrival-pattern", "poisson",
+        "--isl", str(w.input_tokens), "--isl-stddev", str(w.input_stddev),
+        "--osl", str(w.output_tokens), "--osl-stddev", str(w.output_stddev), "--random-seed", str(w.seed),
+    ]
     if w.prefix_prompts:
-        command += ["--prefix-prompt-pool-size", str(w.prefix_prompts), "--prefix-prompt-length", str(w.prefix_tokens)]
-    return command
+        flags += ["--prefix-prompt-pool-size", str(w.prefix_prompts), "--prefix-prompt-length", str(w.prefix_tokens)]
+    return flags
+
+
+def burst_load_flags(dataset: Path, requests: int) -> list[str]:
+    """Every line of a single-turn JSONL dataset (text, output_length) sent once, in order, all at once."""
+    return ["--input-file", str(dataset), "--custom-dataset-type", "single_turn",
+            "--dataset-sampling-strategy", "sequential", "--request-count", str(requests),
+            "--concurrency", str(requests)]
 
 
 def run_aiperf(command: list[str], out_dir: Path) -> None:
@@ -356,30 +447,45 @@ def wait_for_tokens(metrics_url: str, before: float, expected: int, timeout: flo
         time.sleep(0.2)
 
 
+def profile(server: Launcher, command: list[str], out_dir: Path, tokens_before: float) -> dict:
+    """Run one AIPerf ``command`` against ``server``; its figures, output tokens counted by the server.
+
+    ``tokens_before``: the server's generated-token counter before the run (what earlier
+    requests made, once counted).
+    """
+    prefill_before = prefill_computed(server.metrics_url)
+    run_aiperf(command, out_dir)
+    asked = sum(n for _, n in completed_requests(out_dir)[0])
+    generated = wait_for_tokens(server.metrics_url, tokens_before, asked)
+    figures = {**summarize(out_dir, generated), "prefill_tokens": prefill_computed(server.metrics_url) - prefill_before}
+    if figures["output_tokens"] != figures["output_tokens_asked"]:
+        print(f"serving.py: {out_dir.name}: warning: the server generated {figures['output_tokens']} tokens, "
+              f"the requests asked for {figures['output_tokens_asked']}", file=sys.stderr)
+    return figures
+
+
+def write_template(out_dir: Path) -> Path:
+    """The payload template AIPerf renders per request, as a file in ``out_dir`` (made if missing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    template = out_dir / "payload_template.json"
+    template.write_text(PAYLOAD_TEMPLATE)
+    return template
+
+
 def measure(name: str, engine_config: dict, model_flags: list[str], tokenizer: Path, adapters: list[str],
             workload: Workload, args: argparse.Namespace, run_dir: Path) -> dict:
     """Serve one configuration, load it with AIPerf, and return its figures."""
     out_dir = run_dir / name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    template = out_dir / "payload_template.json"
-    template.write_text(PAYLOAD_TEMPLATE)
+    template = write_template(out_dir)
     print(f"serving.py: {name}: engine {json.dumps(engine_config)}", flush=True)
     with (tempfile.TemporaryDirectory(prefix="loraplex-bench-store-") as store,
           Launcher(model_flags, engine_config, Path(store), out_dir / "loraplex-serve.log") as server):
         server.start(args.ready_timeout)
         before = wait_for_tokens(server.metrics_url, 0.0, warm_up(server.http_url, adapters))
-        prefill_before = prefill_computed(server.metrics_url)
-        run_aiperf(aiperf_command(args.aiperf, server.http_url, workload, adapters, template, tokenizer, out_dir),
-                   out_dir)
-        asked = sum(n for _, n in completed_requests(out_dir)[0])
-        generated = wait_for_tokens(server.metrics_url, before, asked)
-        prefill = prefill_computed(server.metrics_url) - prefill_before
-    figures = {"config": name, "engine_config": engine_config, **summarize(out_dir, generated),
-               "prefill_tokens": prefill}
-    if figures["output_tokens"] != figures["output_tokens_asked"]:
-        print(f"serving.py: {name}: warning: the server generated {figures['output_tokens']} tokens, "
-              f"the requests asked for {figures['output_tokens_asked']}", file=sys.stderr)
-    return figures
+        command = aiperf_command(args.aiperf, server.http_url, adapters, template, tokenizer, out_dir,
+                                 synthetic_load_flags(workload))
+        figures = profile(server, command, out_dir, before)
+    return {"config": name, "engine_config": engine_config, **figures}
 
 
 COLUMNS = [  # (key, heading, format, better when higher)
@@ -407,10 +513,252 @@ def format_table(results: list[dict]) -> str:
     rows += [[f"{r['config']} / {base['config']}", *(ratio(r[key], base[key]) for key, *_ in COLUMNS)]
              for r in results[1:]]
     header = ["configuration", *(heading for _, heading, _, _ in COLUMNS)]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return aligned([header, *rows])
+
+
+def aligned(rows: list[list[str]]) -> str:
+    """Rows of cells as text columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in [header, *rows]]
+             for row in rows]
     return "\n".join(lines)
+
+
+def w1_assets(w1: W1) -> tuple[Path, Path]:
+    """(checkpoint folder, folder of its adapters) of W1's random model, built once under .cache/w1/."""
+    from loraplex.tritonserver import cache_dir
+
+    home = cache_dir() / "w1" / w1.model_key
+    if not (home / "complete").exists():
+        print(f"serving.py: building the W1 model and {w1.adapters} adapters in {home}", flush=True)
+        work = home.with_name(f"{home.name}.tmp-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        peers.build_model_and_adapters(
+            work, w1.adapters, w1.rank, "all", hidden_size=w1.hidden,
+            intermediate_size=w1.intermediate, num_hidden_layers=w1.layers, num_attention_heads=w1.heads,
+            num_key_value_heads=w1.kv_heads, vocab_size=w1.vocab)
+        (work / "complete").write_text(json.dumps(asdict(w1), indent=2) + "\n")
+        shutil.rmtree(home, ignore_errors=True)
+        work.rename(home)
+    return home / "model", home / "adapters"
+
+
+def long_tailed_lengths(n: int, low: int, high: int, total: int, rng: random.Random) -> list[int]:
+    """``n`` lengths in [low, high] summing to ``total``, most short and a few long, in random order.
+
+    At evenly spaced quantiles q (0..1) the length is low * (high/low) ** (q ** p), the
+    exponent p found by bisection; rounding's remainder goes one token at a time to the
+    longest that are below ``high``.
+    """
+    if not n * low <= total <= n * high:
+        raise ValueError(f"{n} lengths in [{low}, {high}] cannot sum to {total}")
+    quantiles = [i / (n - 1) for i in range(n)] if n > 1 else [0.0]
+
+    def lengths(p: float) -> list[int]:
+        return [min(high, max(low, round(low * (high / low) ** (q ** p)))) for q in quantiles]
+
+    short, long = 1e-3, 1e3  # p: the sum falls as p grows
+    for _ in range(200):
+        middle = math.sqrt(short * long)
+        short, long = (middle, long) if sum(lengths(middle)) > total else (short, middle)
+    out = lengths(long)
+    while sum(out) < total:
+        out[max((i for i in range(n) if out[i] < high), key=lambda i: (out[i], i))] += 1
+    rng.shuffle(out)
+    return out
+
+
+def w1_requests(w1: W1) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) of each W1 request, from ``w1.seed``: ASCII words cut to a length drawn
+    uniformly from w1.prompt_tokens (the byte tokenizer: one token a character, plus BOS)."""
+    rng = random.Random(w1.seed)
+    outputs = long_tailed_lengths(w1.requests, *w1.output_tokens, w1.output_total, rng)
+    requests = []
+    for max_tokens in outputs:
+        chars = rng.randint(*w1.prompt_tokens) - 1
+        text = ""
+        while len(text) < chars:
+            text += rng.choice(WORDS) + " "
+        requests.append((text[:chars], max_tokens))
+    return requests
+
+
+def write_dataset(requests: list[tuple[str, int]], path: Path) -> Path:
+    """AIPerf's single-turn JSONL: one {"text", "output_length"} line per request."""
+    path.write_text("".join(json.dumps({"text": text, "output_length": n}) + "\n" for text, n in requests))
+    return path
+
+
+def sent_jobs(out_dir: Path, tokenizer) -> list[peers.Job]:
+    """The requests AIPerf sent (its inputs.json), in order, as the peers' jobs."""
+    jobs = []
+    for entry in json.loads((out_dir / "inputs.json").read_text())["data"]:
+        payload = entry["payloads"][-1]
+        parameters = payload["parameters"]
+        jobs.append(peers.Job(tokenizer(payload["text_input"]).input_ids, parameters["max_tokens"],
+                              parameters.get("lora_name")))
+    return jobs
+
+
+def server_torch_threads(engine_config: dict) -> int:
+    """The torch threads the server's engine runs with (docs/configuration.md, cpu_threads)."""
+    from loraplex.config import serving_cpu_threads
+
+    if engine_config.get("cpu_threads"):
+        return engine_config["cpu_threads"]
+    return serving_cpu_threads() or int(os.environ["OMP_NUM_THREADS"])
+
+
+PEERS = {  # name -> what it is, with {b} for the static batch size
+    "peft-one-at-a-time": "peft, one adapter at a time, static batches of {b}",
+    "peft-mixed": "peft, mixed-adapter static batches of {b} (adapter_names)",
+    "hf-static": "HF generate, base model, static batches of {b}",
+    "hf-generate-batch": "transformers generate_batch (continuous batching), base model",
+}
+
+
+def run_peer(name: str, models: tuple, jobs: list[peers.Job], batch: int, pad_id: int) -> peers.PeerRun:
+    """One peer over ``jobs``; ``models`` = (plain HF model, PeftModel with every adapter)."""
+    hf, peft_model = models
+    if name == "peft-one-at-a-time":
+        return peers.run_static(peft_model, jobs, peers.batches_by_adapter(jobs, batch), pad_id, adapters="set")
+    if name == "peft-mixed":
+        return peers.run_static(peft_model, jobs, peers.batches_in_arrival_order(jobs, batch), pad_id,
+                                adapters="per-row")
+    if name == "hf-static":
+        return peers.run_static(hf, jobs, peers.batches_in_arrival_order(jobs, batch), pad_id)
+    if name == "hf-generate-batch":
+        return peers.run_continuous_batching(hf, jobs)
+    raise ValueError(f"unknown peer {name}; choices: {', '.join(PEERS)}")
+
+
+def measure_peers(names: list[str], model_dir: Path, adapters_dir: Path, jobs: list[peers.Job], batch: int,
+                  threads: int) -> dict[str, dict]:
+    """Each peer on ``jobs`` in this process, ``threads`` torch threads, after a 2-job warm-up; name -> figures
+    (or the reason it was skipped)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(threads)
+    peers.quiet_transformers()
+    adapter_dirs = {p.name: str(p) for p in sorted(adapters_dir.iterdir()) if p.is_dir()}
+    models = peers.load_peer_models(str(model_dir), adapter_dirs)
+    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0
+    warm = [peers.Job(job.prompt_ids, 2, job.adapter) for job in jobs[:2]]
+    results = {}
+    for name in names:
+        missing = peers.continuous_batching_missing() if name == "hf-generate-batch" else None
+        if missing:
+            print(f"serving.py: peer {name} skipped: {missing}", file=sys.stderr, flush=True)
+            results[name] = {"skipped": missing}
+            continue
+        run_peer(name, models, warm, batch, pad_id)
+        run = run_peer(name, models, jobs, batch, pad_id)
+        results[name] = {"useful_tokens": run.useful_tokens, "tokens_asked": sum(j.max_tokens for j in jobs),
+                         "seconds": run.seconds, "output_tokens_per_s": run.tokens_per_s}
+        print(f"serving.py: peer {name}: {run.tokens_per_s:.1f} useful tok/s ({run.seconds:.1f} s)", flush=True)
+    return results
+
+
+def measure_w1(w1: W1, name: str, engine_config: dict, peer_names: list[str], args: argparse.Namespace,
+               run_dir: Path) -> dict:
+    """W1 through Triton (8 adapters, then the base model) on one server, then each peer in-process."""
+    from transformers import AutoTokenizer
+
+    from loraplex.serve import seed_adapter_store
+
+    model_dir, adapters_dir = w1_assets(w1)
+    adapters = sorted(p.name for p in adapters_dir.iterdir() if p.is_dir())
+    template = write_template(run_dir)
+    dataset = write_dataset(w1_requests(w1), run_dir / "w1_dataset.jsonl")
+    runs = {"adapters": adapters, **({"base": [BASE_MODEL]} if args.base_run else {})}
+    ours = {}
+    print(f"serving.py: W1 {name}: engine {json.dumps(engine_config)}", flush=True)
+    with (tempfile.TemporaryDirectory(prefix="loraplex-bench-store-") as store,
+          Launcher(["--model-dir", str(model_dir)], engine_config, Path(store), run_dir / "loraplex-serve.log")
+          as server):
+        seed_adapter_store(Path(store), adapters_dir)
+        server.start(args.ready_timeout)
+        before = wait_for_tokens(server.metrics_url, 0.0, warm_up(server.http_url, [*adapters, BASE_MODEL]))
+        for run, names in runs.items():
+            out_dir = run_dir / run
+            out_dir.mkdir(parents=True, exist_ok=True)
+            command = aiperf_command(args.aiperf, server.http_url, names, template, model_dir, out_dir,
+                                     burst_load_flags(dataset, w1.requests))
+            ours[run] = profile(server, command, out_dir, before)
+            before += ours[run]["output_tokens"]
+            print(f"serving.py: ours ({run}): {ours[run]['output_tokens_per_s']:.1f} tok/s", flush=True)
+    jobs = sent_jobs(run_dir / "adapters", AutoTokenizer.from_pretrained(model_dir))
+    if (len(jobs), sum(j.max_tokens for j in jobs)) != (w1.requests, w1.output_total):
+        raise RuntimeError(f"AIPerf sent {len(jobs)} requests for {sum(j.max_tokens for j in jobs)} tokens, the "
+                           f"dataset has {w1.requests} for {w1.output_total}")
+    threads = server_torch_threads(engine_config)
+    results = measure_peers(peer_names, model_dir, adapters_dir, jobs, w1.peer_batch, threads)
+    return {"workload": asdict(w1), "config": name, "engine_config": engine_config, "adapters": adapters,
+            "torch_threads": threads, "ours": ours, "peers": results, "ratios": w1_ratios(ours, results)}
+
+
+def w1_ratios(ours: dict, peer_results: dict) -> dict[str, dict[str, float]]:
+    """ours run -> peer -> ours' useful tokens/s over the peer's (peers that were skipped: none)."""
+    return {run: {name: figures["output_tokens_per_s"] / peer["output_tokens_per_s"]
+                  for name, peer in peer_results.items() if "skipped" not in peer}
+            for run, figures in ours.items()}
+
+
+OURS_LABELS = {"adapters": "ours through Triton, {n} adapters", "base": "ours through Triton, base model"}
+
+
+def format_w1_table(report: dict) -> str:
+    """One row per system (ours through Triton, each peer): useful tokens/s, wall s, and one ratio column per run of
+    ours (ours / that row); a skipped peer's reason follows the table."""
+    ours = report["ours"]
+    systems = [(OURS_LABELS[run].format(n=len(report["adapters"])), figures) for run, figures in ours.items()]
+    systems += [(PEERS[name].format(b=report["workload"]["peer_batch"]), figures)
+                for name, figures in report["peers"].items()]
+    header = ["system", "useful out tok/s", "wall s", *(f"ours {run} / it" for run in ours)]
+    rows = [[label, *measured_cells(f), *(ratio(ours[run]["output_tokens_per_s"], f.get("output_tokens_per_s"))
+                                          for run in ours)]
+            for label, f in systems]
+    notes = [f"{name}: skipped: {f['skipped']}" for name, f in report["peers"].items() if "skipped" in f]
+    return "\n".join([aligned([header, *rows]), *notes])
+
+
+def measured_cells(figures: dict) -> tuple[str, str]:
+    """(useful tokens/s, wall s) of one system: AIPerf's benchmark duration for ours, the peer's own clock for a
+    peer; dashes for a skipped peer."""
+    if "skipped" in figures:
+        return "-", "-"
+    return f"{figures['output_tokens_per_s']:.1f}", f"{figures.get('benchmark_duration_s', figures.get('seconds')):.1f}"
+
+
+def chosen_peers(args: argparse.Namespace) -> list[str]:
+    """The peers --peers names, in order."""
+    names = args.peers.split(",") if args.peers else []
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise SystemExit(f"serving.py: unknown peer(s) {', '.join(unknown)}; choices: {', '.join(PEERS)}")
+    return names
+
+
+def main_w1(args: argparse.Namespace, run_dir: Path) -> int:
+    """--workload w1: ours through Triton, then the peers; one table of ratios."""
+    [(name, knobs)] = chosen_configs(args).items()
+    peer_names = chosen_peers(args)
+    w1 = QUICK_W1_WORKLOAD if args.quick else W1_WORKLOAD
+    w1 = dataclasses.replace(w1, seed=args.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"serving.py: W1: {w1.summary}; artifacts {run_dir}", flush=True)
+    started = time.monotonic()
+    report = measure_w1(w1, name, knobs, peer_names, args, run_dir)
+    print()
+    print(format_w1_table(report))
+    print(f"\nuseful output tokens/s = the {report['ours']['adapters']['output_tokens_asked']} tokens the requests "
+          f"asked for / wall time (ours: AIPerf's benchmark duration, prefill included); peers in-process with "
+          f"{report['torch_threads']} torch thread(s), the server engine's. "
+          f"Wall time {time.monotonic() - started:.0f} s.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,10 +767,12 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.aiperf).exists():
         print(f"serving.py: no aiperf at {args.aiperf}; `make bench` installs it", file=sys.stderr)
         return 2
+    run_dir = Path(args.artifacts) if args.artifacts else ROOT / ".cache" / "serving" / f"run-{os.getpid()}"
+    if args.workload == "w1":
+        return main_w1(args, run_dir)
     configs = chosen_configs(args)
     workload = workload_from(args)
     model_flags, tokenizer, adapters = model_and_adapters(args)
-    run_dir = Path(args.artifacts) if args.artifacts else ROOT / ".cache" / "serving" / f"run-{os.getpid()}"
     print(f"serving.py: {workload.requests} requests at {workload.rate:g}/s (Poisson) per configuration, "
           f"adapters {','.join(adapters)}, artifacts {run_dir}", flush=True)
     started = time.monotonic()

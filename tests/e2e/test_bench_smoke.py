@@ -4,7 +4,10 @@ Checks the results' shape only (the configuration, the requests asked for, no er
 positive throughput), never timings. Skipped where AIPerf is not installed (`make bench`
 installs it into .cache/aiperf-venv). --quick serves one configuration: what more of them
 would add (their knobs merged and handed to the server, the table's ratio rows) is checked
-here without servers.
+here without servers. `--workload w1 --quick` runs W1's steps at a tiny size (our server
+with its adapters, then every in-process peer on the prompts AIPerf sent), without the
+base-model run, which only repeats the AIPerf step (~20 s); the table's columns for it are
+checked without a server.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import pytest
 from scripts import BENCHMARKS, load_benchmark
 
 serving = load_benchmark("serving")
+needs_aiperf = pytest.mark.skipif(
+    not serving.DEFAULT_AIPERF.exists(),
+    reason=f"aiperf is not installed at {serving.DEFAULT_AIPERF} (`make bench` installs it)")
 COMMON_KNOBS = {"max_num_seqs": 8}  # not the default, harmless for 8 requests: the server must get it
 
 
-@pytest.mark.skipif(not serving.DEFAULT_AIPERF.exists(),
-                    reason=f"aiperf is not installed at {serving.DEFAULT_AIPERF} (`make bench` installs it)")
+@needs_aiperf
 def test_quick_run_measures_its_configuration(tmp_path):
     out = tmp_path / "serving.json"
     run = subprocess.run([sys.executable, str(BENCHMARKS / "serving.py"), "--quick", "--json", str(out),
@@ -74,3 +79,72 @@ def test_the_table_has_a_ratio_row_per_configuration_after_the_baseline():
     itl = [heading for _, heading, *_ in serving.COLUMNS].index("ITL p50 ms")
     assert rows[4][3:] == ["2.00x"] * itl + ["-"] + ["2.00x"] * (len(serving.COLUMNS) - itl - 1)
     assert rows[5][3] == "3.00x" and rows[2][1 + itl] == "-"
+
+
+@needs_aiperf
+def test_quick_w1_run_measures_ours_and_every_peer_on_the_same_tokens(tmp_path):
+    out, w1 = tmp_path / "w1.json", serving.QUICK_W1_WORKLOAD
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "serving.py"), "--workload", "w1", "--quick",
+                          "--no-base-run", "--json", str(out), "--artifacts", str(tmp_path / "artifacts")],
+                         check=True, timeout=600, stdout=subprocess.PIPE, text=True)
+    report = json.loads(out.read_text())
+    ours = report["ours"]["adapters"]
+    assert list(report["ours"]) == ["adapters"] and len(report["adapters"]) == w1.adapters
+    assert ours["request_count"] == w1.requests and ours["errors"] == 0
+    assert ours["output_tokens"] == ours["output_tokens_asked"] == w1.output_total
+    assert list(report["peers"]) == list(serving.PEERS) and report["torch_threads"] >= 1
+    measured = {name: peer for name, peer in report["peers"].items() if "skipped" not in peer}
+    assert set(report["peers"]) - set(measured) <= {"hf-generate-batch"}  # only where transformers lacks it
+    for peer in measured.values():
+        assert peer["useful_tokens"] == peer["tokens_asked"] == w1.output_total and peer["output_tokens_per_s"] > 0
+    ratios = report["ratios"]["adapters"]
+    assert set(ratios) == set(measured) and all(r > 0 for r in ratios.values())
+    table = run.stdout.split("\n\n")[1].splitlines()
+    assert table[0].startswith("system") and table[1].startswith("ours through Triton")
+    assert len(table) >= 2 + len(serving.PEERS)
+
+
+def test_w1_lengths_are_fixed_by_the_seed_long_tailed_and_sum_to_the_total():
+    w1 = serving.W1_WORKLOAD
+    requests = serving.w1_requests(w1)
+    prompts, outputs = [len(text) + 1 for text, _ in requests], [n for _, n in requests]  # + BOS: one token a byte
+    assert len(requests) == w1.requests and sum(outputs) == w1.output_total
+    assert all(w1.prompt_tokens[0] <= n <= w1.prompt_tokens[1] for n in prompts)
+    assert min(outputs) == w1.output_tokens[0] and max(outputs) == w1.output_tokens[1]
+    assert sorted(outputs)[len(outputs) // 2] < sum(outputs) / len(outputs) / 2  # most short, a few long
+    assert all(text.isascii() for text, _ in requests)
+    assert serving.w1_requests(w1) == requests != serving.w1_requests(serving.dataclasses.replace(w1, seed=1))
+    with pytest.raises(ValueError, match="cannot sum"):
+        serving.long_tailed_lengths(4, 4, 8, 40, serving.random.Random(0))
+
+
+def test_w1_serves_one_configuration_and_knows_its_peers():
+    parse = serving.build_parser().parse_args
+    assert list(serving.chosen_configs(parse(["--workload", "w1"]))) == ["continuous"]
+    with pytest.raises(SystemExit, match="one configuration"):
+        serving.chosen_configs(parse(["--workload", "w1", "--configs", "continuous,static"]))
+    assert serving.chosen_peers(parse([])) == list(serving.PEERS)
+    with pytest.raises(SystemExit, match="unknown peer"):
+        serving.chosen_peers(parse(["--peers", "hf-static,vllm"]))
+
+
+def test_the_w1_table_has_a_ratio_column_per_run_of_ours_and_names_skipped_peers():
+    report = {"workload": {"peer_batch": 16}, "adapters": ["lora00", "lora01"],
+              "ours": {"adapters": {"output_tokens_per_s": 300.0, "benchmark_duration_s": 6.8},
+                       "base": {"output_tokens_per_s": 400.0, "benchmark_duration_s": 5.1}},
+              "peers": {"peft-one-at-a-time": {"output_tokens_per_s": 100.0, "seconds": 20.4},
+                        "hf-generate-batch": {"skipped": "no continuous batching"}}}
+    rows = [line.split("  ") for line in serving.format_w1_table(report).splitlines()]
+    rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
+    assert rows[0] == ["system", "useful out tok/s", "wall s", "ours adapters / it", "ours base / it"]
+    assert rows[1] == ["ours through Triton, 2 adapters", "300.0", "6.8", "1.00x", "1.33x"]
+    assert rows[2] == ["ours through Triton, base model", "400.0", "5.1", "0.75x", "1.00x"]
+    assert rows[3] == ["peft, one adapter at a time, static batches of 16", "100.0", "20.4", "3.00x", "4.00x"]
+    assert rows[4][1:] == ["-"] * 4 and rows[5] == ["hf-generate-batch: skipped: no continuous batching"]
+
+
+def test_peers_batch_one_adapter_at_a_time_or_in_arrival_order():
+    peers = serving.peers
+    jobs = [peers.Job([1], 1, adapter) for adapter in ["a", "b", "a", None, "a", "b", "a"]]
+    assert peers.batches_by_adapter(jobs, 2) == [[0, 2], [4, 6], [1, 5], [3]]
+    assert peers.batches_in_arrival_order(jobs, 3) == [[0, 1, 2], [3, 4, 5], [6]]
