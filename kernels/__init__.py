@@ -9,7 +9,7 @@ a CUDA tensor arrives, so CPU-only users never need it.
 
 from __future__ import annotations
 
-from .dispatch import check_model, run
+from .dispatch import check_model, run, uses_kernels
 from .prefill_sdpa import remember_host_lengths
 
 
@@ -63,5 +63,6 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "remember_host_lengths",
+    "uses_kernels",
     "write_kv",
 ]

@@ -44,16 +44,18 @@ class RotaryEmbedding:
         inv = inv_frequencies(config, head_dim).to(device)
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        half = head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * sin with its first half negated: one op for the rotation
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self._rows = PerStepMemo()  # q and k of every layer rotate by the same step's positions
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows of positions [T, 1, D], gathered once per step's positions tensor."""
-        return self._rows.get(positions, (), lambda: (self.cos[positions][:, None, :], self.sin[positions][:, None, :]))
+        return self._rows.get(positions, (), lambda: (self.cos[positions][:, None, :],
+                                                     self.signed_sin[positions][:, None, :]))
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by positions [T]."""
-        cos, sin = self._tables(positions)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """x [T, heads, D] rotated by positions [T]: HF's x * cos + rotate_half(x) * sin, the same values."""
+        cos, signed_sin = self._tables(positions)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
