@@ -178,12 +178,13 @@ def _write_rows(slot_mapping):
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset); slot < 0 skips."""
-    slots, rows = _WRITE_ROWS.get(slot_mapping, (), lambda: _write_rows(slot_mapping))  # every layer: the same
+    slots, rows = _WRITE_ROWS.get(slot_mapping, (), lambda: _write_rows(slot_mapping.to(k_cache.device)))
     for cache, new in ((k_cache, k), (v_cache, v)):
         if rows is not None:
             new = new.index_select(0, rows)
-        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D]: a slot is a row
-        flat.index_copy_(0, slots.to(cache.device), new.to(cache.dtype))
+        if new.dtype != cache.dtype:
+            new = new.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)  # [num_blocks * block_size, Hkv, D]: a slot a row
 
 
 def copy_blocks(kv_cache, src, dst):
@@ -320,7 +321,7 @@ def _chunk(per_seq_elements):
 
 def _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale):
     """paged_attention_decode of one sequence: its context gathered exactly (no padding, no mask), then SDPA."""
-    block_size = k_cache.shape[1]
+    block_size, q_dtype = k_cache.shape[1], q.dtype
 
     def context():
         length = int(context_lens[0])
@@ -328,9 +329,11 @@ def _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale):
 
     blocks, length = _DECODE_LAYOUTS.get(context_lens, ("one", block_size, block_tables.data_ptr()), context)
     k, v = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None] for c in (k_cache, v_cache))
-    o = F.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(), scale=scale,
+    if k.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    o = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                        enable_gqa=q.shape[1] != k_cache.shape[2])  # [1, Hq, 1, D]
-    return o[:, :, 0].to(q.dtype)
+    return o[:, :, 0].to(q_dtype)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
