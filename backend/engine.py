@@ -100,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
         self.on_outputs = on_outputs
         self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed)
+        self.runner.computing = self.processor.loop_quiet  # the output thread's turn for the GIL: the forward
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
         self._inbox: deque = deque()
         self._wake = threading.Event()
@@ -311,12 +312,9 @@ class LLMEngine:
 
     def _forward(self, batch, outputs: list):
         """Run the batch; if it raises, retry it without this step's newcomers (None: nothing left to run)."""
-        quiet = self.processor.loop_quiet
-        quiet.set()  # the output processor's turn for the GIL
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
-            quiet.clear()
             newcomers = list(batch.admitted)
             if not newcomers:
                 raise
@@ -328,7 +326,6 @@ class LLMEngine:
             if not batch.seqs:
                 return None
             result = self.runner.execute(batch, copies=False)
-        quiet.clear()
         for seq in batch.admitted:
             seq.suspect = False
         return result

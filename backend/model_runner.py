@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +39,8 @@ class ModelRunner:
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
+        # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
+        self.computing: threading.Event | None = None
 
     def execute(self, batch, copies: bool = True) -> RunnerOutput:
         """Run one step for a SchedulerOutput: block copies (swap out, copy-on-write, swap in), then the model.
@@ -72,7 +76,7 @@ class ModelRunner:
                 seqs.append(child)
         rows = num + len(batch.forks)
         errors: dict[int, Exception] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), _while_set(self.computing):
             hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
             if not sample_seqs:
                 return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
@@ -150,6 +154,19 @@ class ModelRunner:
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+@contextlib.contextmanager
+def _while_set(event: threading.Event | None):
+    """event set for the duration of the block (nothing when None)."""
+    if event is None:
+        yield
+        return
+    event.set()
+    try:
+        yield
+    finally:
+        event.clear()
 
 
 def allocate_host_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
