@@ -218,26 +218,43 @@ class Scheduler:
         return ended
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Decodes first, then prefill chunks, each in running order; a block shortage preempts a victim."""
-        running, kv, running_status = self.running, self.kv, SeqStatus.RUNNING
-        order = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
-        if len(order) != len(running):
-            order += [s for s in running if len(s.token_ids) - s.num_computed_tokens != 1]
-        for seq in order:
+        """Decodes first, then prefill chunks, each in running order; a block shortage preempts a victim.
+
+        One pass over the running sequences: a decode whose token lands in a block it holds
+        alone (most of them) is emitted right there, without an allocation.
+        """
+        running_status, held = SeqStatus.RUNNING, self.kv.held_table
+        seqs, counts, tables = out.seqs, out.num_new_tokens, out.block_tables
+        prefills = []
+        for seq in tuple(self.running):  # preemption changes the list
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed != 1:
+                prefills.append(seq)
+            elif budget > 0 and seq.status is running_status:
+                table = None if seq.forks else held(seq.seq_id, computed)
+                if table is None:
+                    budget = self._run(out, seq, 1, budget)
+                else:
+                    seqs.append(seq)
+                    counts.append(1)
+                    tables.append(table)
+                    budget -= 1
+        for seq in prefills:
             if budget <= 0:
                 break
-            if seq.status is not running_status:  # preempted earlier in this step
-                continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
-                victim = self.pick_victim(self.running)
-                budget += self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                self._emit(out, seq, n)
-                budget -= n
+            if seq.status is running_status:
+                budget = self._run(out, seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget), budget)
         return budget
+
+    def _run(self, out: SchedulerOutput, seq: Sequence, n: int, budget: int) -> int:
+        """Blocks for the seq's n new tokens, preempting victims while short, then emit it; returns the budget left."""
+        while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
+            victim = self.pick_victim(self.running)
+            budget += self._preempt(victim, out)
+            if victim is seq:
+                return budget
+        self._emit(out, seq, n)
+        return budget - n
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped-out sequences back, oldest first, while blocks, budget, slots and the cap allow."""
@@ -454,26 +471,38 @@ class Scheduler:
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         charges: dict | None = {} if self.vtc is not None else None
         maybe_done: list[tuple[Sequence, int]] = []  # (seq, token) that may have finished: ended after the charges
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.status is SeqStatus.FINISHED:  # its request failed after the forward (e.g. bad logits)
+        finished_status, counts = SeqStatus.FINISHED, batch.num_new_tokens
+        sampled: list[tuple[Sequence, int]] = []  # (sample, its row of the result), fork children first
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is finished_status:  # its request failed after the forward (e.g. bad logits)
                 continue
+            n = counts[i]
             computed = seq.num_computed_tokens + n
             seq.num_computed_tokens = computed
-            if caching and computed // bs != (computed - n) // bs:  # this step filled a block
+            if caching and computed % bs < n:  # this step filled a block
                 kv.cache_full_blocks(seq.seq_id, seq.token_ids, computed, seq.namespace)
-            token = tokens[i]
-            if token is None:
+            if tokens[i] is None:
                 continue
-            try:
-                if forks_at and i in forks_at:
+            if forks_at and i in forks_at:
+                try:
                     for row, child in forks_at[i]:
                         self._fork(seq, child)
-                        self._append(child, tokens[row], logprobs[row], tops[row], charges, maybe_done)
-                        changed.append(child)
+                        sampled.append((child, row))
                     seq.forks = []
-                self._append(seq, token, logprobs[i], tops[i], charges, maybe_done)
-            except Exception as exc:  # noqa: BLE001 - e.g. a fork failed: fail this request, not the step
-                seq.error = exc
+                except Exception as exc:  # noqa: BLE001 - a fork failed: fail this request, not the step
+                    seq.error = exc
+            sampled.append((seq, i))
+        for seq, row in sampled:  # append each token, count it, note whether it may end the sequence
+            token, ids = tokens[row], seq.token_ids
+            ids.append(token)
+            seq.cumulative_logprob += logprobs[row]
+            if tops[row] is not None:
+                seq.pending_logprobs.append(tops[row])
+            if charges is not None:
+                key = (seq.request.tenant, _weight(seq.request))
+                charges[key] = charges.get(key, 0) + 1
+            if len(ids) >= seq.stop_length or token in seq.stop_ids:
+                maybe_done.append((seq, token))
             changed.append(seq)
         if charges:  # before any end: a tenant's last request retiring it must see its tokens charged
             for (tenant, weight), count in charges.items():
@@ -497,20 +526,6 @@ class Scheduler:
         child.fork_parent = None
         child.status = SeqStatus.RUNNING
         self.running.append(child)
-
-    @staticmethod
-    def _append(seq: Sequence, token: int, logprob: float, top, charges: dict | None, maybe_done: list) -> None:
-        """update's steps for one sampled token: append it, count it, note whether it may end the sequence."""
-        ids = seq.token_ids
-        ids.append(token)
-        seq.cumulative_logprob += logprob
-        if top is not None:
-            seq.pending_logprobs.append(top)
-        if charges is not None:
-            key = (seq.request.tenant, _weight(seq.request))
-            charges[key] = charges.get(key, 0) + 1
-        if len(ids) >= seq.stop_length or token in seq.stop_ids:
-            maybe_done.append((seq, token))
 
     def _end_if_finished(self, seq: Sequence, token: int) -> bool:
         """End the sequence if the token finished it (freeing its blocks and pin); True if it did."""

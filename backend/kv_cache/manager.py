@@ -137,12 +137,8 @@ class KVCacheManager:
     def allocate(self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int,
                  cached_blocks: Sequence[int] = ()) -> bool:
         """Make the seq's table cover computed + new slots (copy-on-write for shared blocks written); all or nothing."""
-        if num_new_tokens == 1 and not cached_blocks:  # a decode step: most often nothing to do
-            table = self._tables.get(seq_id)
-            if table is not None:
-                i = num_computed_tokens // self.block_size  # the block its token goes into
-                if i < len(table) and self.pool.blocks[table[i]].ref_count <= 1:
-                    return True  # held, not shared: no new block, no copy
+        if num_new_tokens == 1 and not cached_blocks and self.held_table(seq_id, num_computed_tokens) is not None:
+            return True  # a decode step into a block it holds alone: no new block, no copy
         table, num_new, cow, needed = self._plan(seq_id, num_computed_tokens, num_new_tokens, cached_blocks)
         pool = self.pool
         if needed > pool.num_free:
@@ -161,6 +157,18 @@ class KVCacheManager:
         if num_new:
             table.extend(pool.take_new(num_new))
         return True
+
+    def held_table(self, seq_id: SeqId, position: int) -> list[int] | None:
+        """The seq's table (live) if the block for token `position` is there and not shared, else None.
+
+        Then a decode token at `position` needs nothing from ``allocate``: no new block, no copy.
+        """
+        table = self._tables.get(seq_id)
+        if table is not None:
+            i = position // self.block_size
+            if i < len(table) and self.pool.blocks[table[i]].ref_count <= 1:
+                return table
+        return None
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Child shares every block of parent (partly filled last one included) and its hash chain."""
