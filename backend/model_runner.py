@@ -87,9 +87,9 @@ class ModelRunner:
             logits = self.model.logits(picked)
             if not math.isfinite(logits.sum().item()):  # one reduction; a NaN or inf anywhere shows in the sum
                 logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
-            params = [s.request.params for s in seqs]
-            tokens = sample_tokens(logits, params, [s.generator for s in seqs])
-            if any(s.request.wants_logprobs for s in seqs):
+            params, generators, random_rows, wants_logprobs = _sampling_rows(seqs)
+            tokens = sample_tokens(logits, params, generators, random_rows)
+            if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
             else:  # nobody reads them: skip a logsumexp over the vocabulary per row
                 chosen, tops = [0.0] * len(seqs), [None] * len(seqs)
@@ -154,6 +154,22 @@ class ModelRunner:
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+def _sampling_rows(seqs) -> tuple[list, list, list[int], bool]:
+    """In one pass: each row's params and generator, the rows not sampled greedily, whether any reads logprobs."""
+    params, generators, random_rows, wants_logprobs = [], [], [], False
+    add_params, add_generator = params.append, generators.append
+    for row, seq in enumerate(seqs):
+        request = seq.request
+        p = request.params
+        add_params(p)
+        add_generator(seq.generator)
+        if not p.greedy:
+            random_rows.append(row)
+        if request.wants_logprobs:
+            wants_logprobs = True
+    return params, generators, random_rows, wants_logprobs
 
 
 @contextlib.contextmanager

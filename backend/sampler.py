@@ -58,10 +58,11 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """sample() as an int64 tensor [B] on the logits' device."""
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list,
+                  random_rows: list[int] | None = None) -> torch.Tensor:
+    """sample() as an int64 tensor [B] on the logits' device; random_rows: the rows not greedy, if known."""
     tokens = _argmax(logits)
-    rows = [r for r, p in enumerate(params) if not p.greedy]
+    rows = [r for r, p in enumerate(params) if not p.greedy] if random_rows is None else random_rows
     if rows:
         picked = [params[r] for r in rows]
         chosen = logits[rows] / _column([p.temperature for p in picked], logits)
