@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -47,11 +47,10 @@ class PeerRun:
     seconds: float  # wall time of the whole run, prefill included
     decode_seconds: float = 0.0  # from each batch's first generated token to its end
     decode_tokens: int = 0  # useful tokens generated after each row's first
-    notes: dict = field(default_factory=dict)
 
     @property
     def useful_tokens(self) -> int:
-        """Tokens the jobs asked for (a static batch's padding tokens are not counted)."""
+        """Tokens generated for the jobs, each cut to its max_tokens (a static batch's extra ones do not count)."""
         return sum(len(t) for t in self.tokens)
 
     @property

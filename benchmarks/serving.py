@@ -662,7 +662,8 @@ def measure_peers(names: list[str], model_dir: Path, adapters_dir: Path, jobs: l
 
 def measure_w1(w1: W1, name: str, engine_config: dict, peer_names: list[str], args: argparse.Namespace,
                run_dir: Path) -> dict:
-    """W1 through Triton (8 adapters, then the base model) on one server, then each peer in-process."""
+    """W1 through Triton on one server (over its adapters, then on the base model unless --no-base-run), then each
+    peer in-process on the requests AIPerf sent."""
     from transformers import AutoTokenizer
 
     from loraplex.serve import seed_adapter_store
