@@ -16,6 +16,11 @@ from .sampler import sample_tokens, token_logprobs
 from .step_arrays import StepArrays
 
 
+# A step with prefill adds LoRA by dense matmuls per run of one adapter when its runs average at least
+# this many tokens; shorter runs (decode rows of many adapters) gather tiles instead.
+DENSE_LORA_MIN_ROWS = 8
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """Per scheduled sequence, then per fork child: sampled token (None mid-prefill), its logprob, top candidates."""
@@ -38,6 +43,9 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
+        # runs of rows on one adapter (the whole batch, or prefill runs): the torch path adds them with two
+        # matmuls per run (fp32), not gathered tiles
+        self._dense_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
         self.computing: threading.Event | None = None
@@ -143,11 +151,18 @@ class ModelRunner:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
         if is_decode:
-            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
+            dense = None
+            if self._dense_lora and min(slot_list) == slot_list[0] == max(slot_list):
+                dense = [(0, len(slot_list), slot_list[0])]
+            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True, dense)
         change = np.flatnonzero(slots[1:] != slots[:-1]) + 1  # neighbours that share an adapter are one segment
         seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
         seg_slots = slots[np.concatenate(([0], change))]
-        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
+        dense = None
+        if self._dense_lora and int(cu[-1]) >= DENSE_LORA_MIN_ROWS * len(seg_slots):
+            starts, slot_ids = seg_starts.tolist(), seg_slots.tolist()
+            dense = [(starts[g], starts[g + 1], slot) for g, slot in enumerate(slot_ids) if slot >= 0]
+        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False, dense)
 
     def _tensor(self, values) -> torch.Tensor:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""

@@ -43,6 +43,8 @@ class LoraSlots:
         self._ranks = torch.zeros(num_layers, len(MODULES), max_loras, dtype=torch.int32, device=self.device)
         self._scales = torch.zeros(num_layers, len(MODULES), max_loras, dtype=torch.float32, device=self.device)
         self.ranks = [{m: self._ranks[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
+        # per slot, (layer, module) -> (rank, scale) of what it holds: read on the host, no device op
+        self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [{} for _ in range(max_loras)]
         self.scales = [{m: self._scales[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
         for _ in range(num_layers):
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
@@ -77,6 +79,8 @@ class LoraSlots:
             self.b[layer][module][slot, :, :r].copy_(b)
             ranks[layer, MODULES.index(module)] = r
             scales[layer, MODULES.index(module)] = scale
+            if r:
+                self.targets[slot][(layer, module)] = (r, float(scale))
         self._ranks[:, :, slot].copy_(ranks)
         self._scales[:, :, slot].copy_(scales)
 
@@ -104,6 +108,7 @@ class LoraSlots:
                 self.b[layer][m][slot].zero_()
         self._ranks[:, :, slot] = 0
         self._scales[:, :, slot] = 0.0
+        self.targets[slot] = {}
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""

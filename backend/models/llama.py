@@ -34,6 +34,9 @@ class LoraBatch:
     seg_starts: torch.Tensor | None  # int32 [G+1]; used with prefill (SGMV)
     seg_slots: torch.Tensor | None  # int32 [G]
     is_decode: bool
+    # (first row, end row, slot) of each run of rows on one adapter, when the torch path adds them
+    # with two dense matmuls per run (one adapter for all rows, or long prefill runs); else None
+    dense_runs: list[tuple[int, int, int]] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,6 +72,14 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int,
     """y += each token's adapter delta for module (in place; y may be columns of a fused output)."""
     s = lora.slots
     a, b = s.a[layer_idx][module], s.b[layer_idx][module]
+    if lora.dense_runs is not None:  # peft's own sum per run of rows, scale * B(A(x)): no gathers
+        for start, end, slot in lora.dense_runs:
+            target = s.targets[slot].get((layer_idx, module))
+            if target is not None:
+                rank, scale = target
+                rows = slice(start, end)
+                y[rows].add_(F.linear(F.linear(x[rows], a[slot, :rank]), b[slot, :, :rank]), alpha=scale)
+        return
     ranks, scales = s.ranks[layer_idx][module], s.scales[layer_idx][module]
     if lora.is_decode:
         v = kernels.lora_shrink_bgmv(x, a, lora.token_slots, ranks)

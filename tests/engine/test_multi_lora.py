@@ -171,8 +171,11 @@ def test_staggered_multi_lora_batch_matches_peft(lora_family, lora_arch):
 # ---- first-step logits -------------------------------------------------------------------
 
 
-def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]]):
+def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], dense: bool = False):
     """Logits of one prefill step over all rows (SGMV) and of the decode step after it (BGMV).
+
+    ``dense``: hand the torch path each row's run of tokens (``LoraBatch.dense_runs``), as
+    the runner does for one-adapter batches and long prefill runs: two matmuls per run.
 
     Drives ``engine.model.forward`` directly, with tensors built as ModelRunner.execute
     builds them, on a private KV cache. Each row is (prompt ids, adapter name or None);
@@ -209,8 +212,9 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]]):
             positions=torch.tensor(positions), slot_mapping=torch.tensor(mapping), block_tables=padded,
             context_lens=torch.tensor(lens, **i32), cu_query_lens=torch.tensor(cu, **i32), is_decode=False,
         )
+        runs = [(cu[i], cu[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0] if dense else None
         lora = LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),
-                         torch.tensor(slots, **i32), is_decode=False)
+                         torch.tensor(slots, **i32), is_decode=False, dense_runs=runs)
         with torch.inference_mode():
             hidden = model.forward(torch.tensor(ids), attn, kv, lora)
             prefill = model.logits(hidden[torch.tensor(cu[1:]) - 1])
@@ -222,7 +226,8 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]]):
                 cu_query_lens=rows_cu, is_decode=True,
             )
             lora = LoraBatch(engine.lora_slots, torch.tensor(slots, **i32), rows_cu, torch.tensor(slots, **i32),
-                             is_decode=True)
+                             is_decode=True, dense_runs=[(i, i + 1, slot) for i, slot in enumerate(slots) if slot >= 0]
+                             if dense else None)
             decode = model.logits(model.forward(torch.tensor(nxt_tokens), attn, kv, lora))
         return prefill, nxt_tokens, decode
     finally:
@@ -273,6 +278,41 @@ def test_first_step_logits_match_peft(lora_family, lora_arch):
     assert engine.adapters.evictions == 3  # the second batch displaced the first one's three adapters
     assert engine.adapters.loads_from_disk == 6
     print(f"{lora_arch}: max |engine - peft| logit difference {worst:.2e}")
+
+
+def test_dense_runs_match_peft(lora_family, lora_arch):
+    # each row's adapter added by two matmuls over its run of rows instead of gathered tiles: the same logits
+    family = lora_family(lora_arch)
+    engine = make_engine(family)
+    for batch in LOGIT_BATCHES:
+        rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
+        prefill, nxt, decode = engine_logits(engine, rows, dense=True)
+        tiles = engine_logits(engine, rows)
+        for i, (ids, name) in enumerate(rows):
+            adapter = family.adapters[name] if name else None
+            want = ref.first_logits(family.model_dir, adapter, ids)
+            want_next = ref.first_logits(family.model_dir, adapter, ids + [nxt[i]])
+            torch.testing.assert_close(prefill[i], want, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{name} prefill: {m}")
+            torch.testing.assert_close(decode[i], want_next, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{name} decode: {m}")
+        assert nxt == tiles[1]
+
+
+def test_the_runner_hands_dense_runs_where_they_pay(lora_family):
+    family = lora_family("llama-gqa")
+    engine = make_engine(family)
+    seen = []
+    build = engine.runner._lora_batch
+    engine.runner._lora_batch = lambda *args: seen.append(build(*args)) or seen[-1]
+    name, other = sorted(family.adapters)[:2]
+    for k, loras in enumerate(([name, name], [name, other], [name, None])):
+        seen.clear()
+        prompts = [f"{k}{i} Hello world" for i in range(len(loras))]  # no prefix-cache hits
+        engine.generate([engine.make_request(p, p, greedy(3, lora)) for p, lora in zip(prompts, loras)])
+        decodes = [batch for batch in seen if batch.is_decode]
+        assert decodes and all((batch.dense_runs is not None) == (loras == [name, name]) for batch in decodes)
+        prefill = next(batch for batch in seen if not batch.is_decode)  # long runs: dense, base rows in none
+        covered = sum(end - start for start, end, _ in prefill.dense_runs)
+        assert covered == sum(len(engine.tokenizer(p).input_ids) for p, lora in zip(prompts, loras) if lora)
 
 
 def test_adapter_specs_are_what_the_tests_claim(lora_family):
