@@ -48,28 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-FUSED_NAME = {QKV: "qkv_proj", GATE_UP: "gate_up_proj"}
-
-
-def _fuse(layer: dict) -> None:
-    """Stack each fused group's weights (and biases) into one matrix; the modules' own are dropped."""
-    for modules, name in FUSED_NAME.items():
-        weights = [layer.pop(m) for m in modules]
-        biases = [layer.pop(m + ".bias", None) for m in modules]
-        layer[name] = torch.cat(weights)
-        if any(b is not None for b in biases):
-            layer[name + ".bias"] = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
-                                               for b, w in zip(biases, weights)])
-
-
-def _weight_names(layer: dict) -> list[str]:
-    """The layer's matmul weights: the modules, or the fused groups in their place."""
-    return [name for name in (*MODULES, *FUSED_NAME.values()) if layer.get(name) is not None]
-
-
 def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int, module: str) -> None:
-    """y += each token's adapter delta for module (in place; y may be columns of a fused output)."""
+    """y += each token's adapter delta for module, in place."""
     s = lora.slots
     a, b = s.a[layer_idx][module], s.b[layer_idx][module]
     if lora.dense_runs is not None:  # peft's own sum per run of rows, scale * B(A(x)): no gathers
@@ -129,16 +109,7 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight")
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
-        # On the torch path (CPU), q/k/v and gate/up are each one matmul over their stacked weights:
-        # fewer, wider ops. The kernels' LoRA expand writes a whole output, so CUDA keeps them apart.
-        self.fused = not kernels.uses_kernels(torch.device(device))
-        d, inter = self.head_dim, self.layers[0]["gate_proj"].shape[0] if self.layers else 0
-        self.fused_widths = {QKV: (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d),
-                             GATE_UP: (inter, inter)}
-        if self.fused:
-            for layer in self.layers:
-                _fuse(layer)
-        self.packed: list[dict] | None = None  # per layer: weight name -> pack_fp16 (fp16_weights)
+        self.packed: list[dict] | None = None  # per layer: module -> pack_fp16 (fp16_weights)
         self.packed_lm_head = None
         if fp16_weights:
             self._pack_fp16()
@@ -153,9 +124,9 @@ class LlamaModel:
         self.packed = []
         for layer in self.layers:
             packed = {}
-            for name in _weight_names(layer):
-                packed[name] = pack_fp16(layer[name], layer.get(name + ".bias"))
-                layer[name] = None  # only the packed copy is read: the fp32 one would double the memory
+            for m in MODULES:
+                packed[m] = pack_fp16(layer[m], layer.get(m + ".bias"))
+                layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
 
     @staticmethod
@@ -185,45 +156,16 @@ class LlamaModel:
             _add_lora(y, x, lora, layer_idx, module)
         return y
 
-    def _fused_proj(self, layer_idx: int, modules: tuple[str, ...], x: torch.Tensor,
-                    lora: LoraBatch | None) -> torch.Tensor:
-        """The projections of modules over one input as one matmul: their outputs side by side, LoRA added to each."""
-        y = self._linear(layer_idx, FUSED_NAME[modules], x)
-        if lora is not None:
-            start = 0
-            for m, width in zip(modules, self.fused_widths[modules]):
-                _add_lora(y[:, start:start + width], x, lora, layer_idx, m)
-                start += width
-        return y
-
-    def _attention_inputs(self, i: int, x: torch.Tensor, lora: LoraBatch | None, positions: torch.Tensor):
-        """q [T, Hq, D] and k [T, Hkv, D], rotated, and v [T, Hkv, D]."""
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        if self.fused:  # q and k are neighbouring columns: one rotation serves both
-            y = self._fused_proj(i, QKV, x, lora)
-            qk = self.rope.apply(y[:, :(hq + hkv) * d].view(t, hq + hkv, d), positions)
-            return qk[:, :hq], qk[:, hq:], y[:, (hq + hkv) * d:].view(t, hkv, d)
-        q, k, v = (self._proj(i, m, x, lora) for m in QKV)
-        q, k = self.rope.apply(q.view(t, hq, d), positions), self.rope.apply(k.view(t, hkv, d), positions)
-        return q, k, v.view(t, hkv, d)
-
-    def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
-        if self.fused:
-            y = self._fused_proj(i, GATE_UP, x, lora)
-            inter = y.shape[1] // 2
-            act = F.silu(y[:, :inter]) * y[:, inter:]
-        else:
-            act = F.silu(self._proj(i, "gate_proj", x, lora)) * self._proj(i, "up_proj", x, lora)
-        return self._proj(i, "down_proj", act, lora)
-
     def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraBatch | None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache."""
         h = self.embed[input_ids]
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["input_norm"], self.eps)
-            q, k, v = self._attention_inputs(i, x, lora, attn.positions)
+            q = self._proj(i, "q_proj", x, lora).view(t, self.num_heads, self.head_dim)
+            k = self._proj(i, "k_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
+            v = self._proj(i, "v_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
+            q, k = self.rope.apply(q, attn.positions), self.rope.apply(k, attn.positions)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
             if attn.is_decode:
@@ -234,7 +176,8 @@ class LlamaModel:
                 )
             h = h + self._proj(i, "o_proj", o.reshape(t, -1), lora)
             x = rms_norm(h, layer["post_norm"], self.eps)
-            h = h + self._mlp(i, x, lora)
+            act = F.silu(self._proj(i, "gate_proj", x, lora)) * self._proj(i, "up_proj", x, lora)
+            h = h + self._proj(i, "down_proj", act, lora)
         return rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
