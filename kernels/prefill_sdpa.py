@@ -41,9 +41,8 @@ def _make_plan(starts: list[int], lengths: list[int], device) -> _Plan:
     if len(single) < 2:  # one query alone gains nothing from the batched call
         prefills = sorted(prefills + [(lo, lo + 1, int(lengths[b]), b) for lo, b in single])
         return _Plan(None, None, prefills)
-    rows, seqs = zip(*single)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-    return _Plan(as_tensor(rows), as_tensor(seqs), prefills)
+    rows, seqs = (torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True) for values in zip(*single))
+    return _Plan(rows, seqs, prefills)
 
 
 def remember_host_lengths(cu_query_lens: torch.Tensor, context_lens: torch.Tensor, starts, lengths) -> None:
