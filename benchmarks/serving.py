@@ -105,8 +105,11 @@ class Workload:
     prefix_prompts: int  # distinct shared prefixes (0: none)
     prefix_tokens: int
     seed: int
+    output_lengths: str = "normal"  # or "long-tailed": LONG_TAIL's range, the same mean, our dataset file
 
 
+# Long-tailed max_tokens (as W1's): most requests short, a few up to the top of this range.
+LONG_TAIL = (4, 256)
 DEFAULT_WORKLOAD = Workload(requests=200, rate=4.0, input_tokens=64, input_stddev=16, output_tokens=48,
                             output_stddev=16, prefix_prompts=4, prefix_tokens=128, seed=0)
 QUICK_WORKLOAD = Workload(requests=8, rate=8.0, input_tokens=32, input_stddev=8, output_tokens=16,
@@ -203,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", type=int, default=d.output_tokens,
                     help="mean max_tokens (ignore_eos)" + default)
     ap.add_argument("--output-stddev", type=int, default=d.output_stddev, help="its standard deviation" + default)
+    ap.add_argument("--output-lengths", choices=("normal", "long-tailed"), default=d.output_lengths,
+                    help="normal: AIPerf's synthetic prompts and max_tokens (--output-tokens +- --output-stddev); "
+                         f"long-tailed: max_tokens of {LONG_TAIL[0]}-{LONG_TAIL[1]} with the same mean, most short "
+                         "and a few long (as W1's), prompts of --input-tokens +- --input-stddev characters after "
+                         "the shared prefix (tokens with the tiny model's byte tokenizer), from a dataset file "
+                         "written with --seed" + default)
     ap.add_argument("--prefix-prompts", type=int, default=d.prefix_prompts,
                     help="distinct shared prompt prefixes, one prepended to each prompt (0: none)" + default)
     ap.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
@@ -227,7 +236,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
     if args.quick:
         return QUICK_WORKLOAD
     return Workload(args.requests, args.rate, args.input_tokens, args.input_stddev, args.output_tokens,
-                    args.output_stddev, args.prefix_prompts, args.prefix_tokens, args.seed)
+                    args.output_stddev, args.prefix_prompts, args.prefix_tokens, args.seed, args.output_lengths)
 
 
 def chosen_configs(args: argparse.Namespace) -> dict[str, dict]:
@@ -367,6 +376,35 @@ def synthetic_load_flags(workload: Workload) -> list[str]:
     return flags
 
 
+def long_tailed_requests(workload: Workload) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) of each request of a long-tailed workload, from its seed: one of the shared
+    prefixes, then words up to a normally drawn length; max_tokens long-tailed over LONG_TAIL, the same mean."""
+    w, rng = workload, random.Random(workload.seed)
+    outputs = long_tailed_lengths(w.requests, *LONG_TAIL, w.requests * w.output_tokens, rng)
+    prefixes = [words_of(w.prefix_tokens, rng) for _ in range(w.prefix_prompts)]
+    requests = []
+    for i, max_tokens in enumerate(outputs):
+        prefix = prefixes[i % len(prefixes)] if prefixes else ""
+        requests.append((prefix + words_of(max(1, round(rng.gauss(w.input_tokens, w.input_stddev))), rng),
+                         max_tokens))
+    return requests
+
+
+def words_of(chars: int, rng: random.Random) -> str:
+    """Random WORDS, cut to exactly chars characters."""
+    text = ""
+    while len(text) < chars:
+        text += rng.choice(WORDS) + " "
+    return text[:chars]
+
+
+def arrival_load_flags(dataset: Path, workload: Workload) -> list[str]:
+    """Every line of a single-turn JSONL dataset sent once, in order, at Poisson arrivals of workload.rate."""
+    return ["--input-file", str(dataset), "--custom-dataset-type", "single_turn",
+            "--dataset-sampling-strategy", "sequential", "--request-count", str(workload.requests),
+            "--request-rate", str(workload.rate), "--arrival-pattern", "poisson", "--random-seed", str(workload.seed)]
+
+
 def burst_load_flags(dataset: Path, requests: int) -> list[str]:
     """Every line of a single-turn JSONL dataset (text, output_length) sent once, in order, all at once."""
     return ["--input-file", str(dataset), "--custom-dataset-type", "single_turn",
@@ -482,8 +520,12 @@ def measure(name: str, engine_config: dict, model_flags: list[str], tokenizer: P
           Launcher(model_flags, engine_config, Path(store), out_dir / "loraplex-serve.log") as server):
         server.start(args.ready_timeout)
         before = wait_for_tokens(server.metrics_url, 0.0, warm_up(server.http_url, adapters))
-        command = aiperf_command(args.aiperf, server.http_url, adapters, template, tokenizer, out_dir,
-                                 synthetic_load_flags(workload))
+        if workload.output_lengths == "long-tailed":
+            load = arrival_load_flags(write_dataset(long_tailed_requests(workload), out_dir / "dataset.jsonl"),
+                                      workload)
+        else:
+            load = synthetic_load_flags(workload)
+        command = aiperf_command(args.aiperf, server.http_url, adapters, template, tokenizer, out_dir, load)
         figures = profile(server, command, out_dir, before)
     return {"config": name, "engine_config": engine_config, **figures}
 
@@ -575,11 +617,7 @@ def w1_requests(w1: W1) -> list[tuple[str, int]]:
     outputs = long_tailed_lengths(w1.requests, *w1.output_tokens, w1.output_total, rng)
     requests = []
     for max_tokens in outputs:
-        chars = rng.randint(*w1.prompt_tokens) - 1
-        text = ""
-        while len(text) < chars:
-            text += rng.choice(WORDS) + " "
-        requests.append((text[:chars], max_tokens))
+        requests.append((words_of(rng.randint(*w1.prompt_tokens) - 1, rng), max_tokens))
     return requests
 
 

@@ -148,3 +148,18 @@ def test_peers_batch_one_adapter_at_a_time_or_in_arrival_order():
     jobs = [peers.Job([1], 1, adapter) for adapter in ["a", "b", "a", None, "a", "b", "a"]]
     assert peers.batches_by_adapter(jobs, 2) == [[0, 2], [4, 6], [1, 5], [3]]
     assert peers.batches_in_arrival_order(jobs, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_long_tailed_arrivals_keep_the_mean_and_the_shared_prefixes():
+    args = serving.build_parser().parse_args(["--output-lengths", "long-tailed", "--rate", "8", "--requests", "40"])
+    workload = serving.workload_from(args)
+    requests = serving.long_tailed_requests(workload)
+    lengths = sorted(n for _, n in requests)
+    assert len(requests) == 40 and sum(lengths) == 40 * workload.output_tokens
+    assert serving.LONG_TAIL[0] <= lengths[0] and lengths[-1] <= serving.LONG_TAIL[1]
+    assert lengths[len(lengths) // 2] < workload.output_tokens < lengths[-1] / 2  # most short, a few long
+    prefixes = {text[:workload.prefix_tokens] for text, _ in requests}
+    assert len(prefixes) == workload.prefix_prompts
+    assert requests == serving.long_tailed_requests(workload)  # fixed by the seed
+    flags = serving.arrival_load_flags(serving.Path("d.jsonl"), workload)
+    assert flags[flags.index("--request-rate") + 1] == "8.0" and "poisson" in flags
