@@ -144,14 +144,12 @@ class LlamaModel:
         layer["post_norm"] = w.pop(p + "post_attention_layernorm.weight")
         return layer
 
-    def _linear(self, layer_idx: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return fp16_linear(x, self.packed[layer_idx][name])
-        layer = self.layers[layer_idx]
-        return F.linear(x, layer[name], layer.get(name + ".bias"))
-
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        y = self._linear(layer_idx, module, x)
+        if self.packed is not None:
+            y = fp16_linear(x, self.packed[layer_idx][module])
+        else:
+            layer = self.layers[layer_idx]
+            y = F.linear(x, layer[module], layer.get(module + ".bias"))
         if lora is not None:
             _add_lora(y, x, lora, layer_idx, module)
         return y
