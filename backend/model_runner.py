@@ -143,7 +143,8 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, self._tensor(dev), data.to(self.device, non_blocking=True))
 
     def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool) -> LoraBatch | None:
-        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill."""
+        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill; and
+        the dense runs where the torch path adds them by matmuls (one adapter for all rows, long prefill runs)."""
         if self.lora_slots is None:
             return None
         slot_list = [seq.adapter_slot for seq in batch.seqs]
