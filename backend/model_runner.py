@@ -12,12 +12,13 @@ import torch
 
 from . import kernels
 from .models.llama import AttentionBatch, LlamaModel, LoraBatch
+from .models.lora_tiles import SlotTiles
 from .sampler import sample_tokens, token_logprobs
 from .step_arrays import StepArrays
 
 
-# A step with prefill adds LoRA by dense matmuls per run of one adapter when its runs average at least
-# this many tokens; shorter runs (decode rows of many adapters) gather tiles instead.
+# On the torch path a run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two
+# dense matmuls; shorter runs (decode rows of many adapters) go into slot tiles.
 DENSE_LORA_MIN_ROWS = 8
 
 
@@ -43,8 +44,7 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
-        # runs of rows on one adapter (the whole batch, or prefill runs): the torch path adds them with two
-        # matmuls per run (fp32), not gathered tiles
+        # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._dense_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
@@ -143,33 +143,52 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, self._tensor(dev), data.to(self.device, non_blocking=True))
 
     def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool) -> LoraBatch | None:
-        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill; and
-        the dense runs where the torch path adds them by matmuls (one adapter for all rows, long prefill runs)."""
+        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill; on the
+        torch path, dense runs for long runs of one adapter and slot tiles for the other rows."""
         if self.lora_slots is None:
             return None
         slot_list = [seq.adapter_slot for seq in batch.seqs]
         if max(slot_list) < 0:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
+        if self._dense_lora:
+            return self._torch_lora_batch(slots, cu, is_decode)
         if is_decode:
-            dense = None
-            if self._dense_lora and min(slot_list) == slot_list[0] == max(slot_list):
-                dense = [(0, len(slot_list), slot_list[0])]
-            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True, dense)
-        change = np.flatnonzero(slots[1:] != slots[:-1]) + 1  # neighbours that share an adapter are one segment
-        seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
-        seg_slots = slots[np.concatenate(([0], change))]
-        dense = None
-        if self._dense_lora and int(cu[-1]) >= DENSE_LORA_MIN_ROWS * len(seg_slots):
-            starts, slot_ids = seg_starts.tolist(), seg_slots.tolist()
-            dense = [(starts[g], starts[g + 1], slot) for g, slot in enumerate(slot_ids) if slot >= 0]
-        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False, dense)
+            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
+        seg_starts, seg_slots = _segments(slots, cu)
+        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
+
+    def _torch_lora_batch(self, slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> LoraBatch:
+        """Runs of DENSE_LORA_MIN_ROWS rows or more on one adapter (the whole batch, prefill chunks) by two
+        matmuls each, the other rows by slot tiles; per-row slots for those when tiles would waste too much."""
+        seg_starts, seg_slots = _segments(slots, cu)
+        lengths = np.diff(seg_starts)
+        dense = (seg_slots >= 0) & ((lengths >= DENSE_LORA_MIN_ROWS) | (len(seg_slots) == 1))
+        runs = [(int(seg_starts[g]), int(seg_starts[g + 1]), int(seg_slots[g])) for g in np.flatnonzero(dense)]
+        short = np.flatnonzero((seg_slots >= 0) & ~dense)
+        if short.size == 0:
+            return LoraBatch(self.lora_slots, None, None, None, is_decode, runs)
+        row_slots = np.repeat(np.where((seg_slots >= 0) & ~dense, seg_slots, -1), lengths)  # -1: base or dense
+        rows = np.flatnonzero(row_slots >= 0)
+        ranks = self.lora_slots.slot_ranks
+        rank = max(ranks[s] for s in seg_slots[short].tolist())
+        tiles = SlotTiles.plan(rows, row_slots[rows], rank, self._tensor)
+        if tiles is None:  # the rows left go through the per-row gather (BGMV)
+            return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, is_decode, runs)
+        return LoraBatch(self.lora_slots, None, None, None, is_decode, runs, tiles)
 
     def _tensor(self, values) -> torch.Tensor:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+def _segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row segments of one adapter (int32 starts [G+1], slots [G]): neighbouring sequences that share one merge."""
+    change = np.flatnonzero(slots[1:] != slots[:-1]) + 1
+    seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
+    return seg_starts, slots[np.concatenate(([0], change))]
 
 
 def _sampling_rows(seqs) -> tuple[list, list, list[int], bool]:

@@ -46,11 +46,16 @@ class LoraSlots:
         # per slot, (layer, module) -> (rank, scale) of what it holds: read on the host, no device op
         self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [{} for _ in range(max_loras)]
         self.scales = [{m: self._scales[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
+        self.slot_ranks = [0] * max_loras  # the largest rank each slot holds (host)
         for _ in range(num_layers):
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
                            for m, (i, _o) in self.shapes.items()})
             self.b.append({m: torch.zeros(max_loras, o, max_rank, dtype=dtype, device=self.device)
                            for m, (_i, o) in self.shapes.items()})
+        # the same stacks as batched-matmul operands for the torch path: A.T [S, in, R], B.T [S, R, out], scales [S, 1, 1]
+        self.a_t = [{m: a.transpose(1, 2) for m, a in layer.items()} for layer in self.a]
+        self.b_t = [{m: b.transpose(1, 2) for m, b in layer.items()} for layer in self.b]
+        self.tile_scales = [{m: t.view(-1, 1, 1) for m, t in layer.items()} for layer in self.scales]
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write an adapter into a slot, replacing (and zeroing) whatever the slot held.
@@ -81,6 +86,7 @@ class LoraSlots:
             scales[layer, MODULES.index(module)] = scale
             if r:
                 self.targets[slot][(layer, module)] = (r, float(scale))
+        self.slot_ranks[slot] = max((r for r, _scale in self.targets[slot].values()), default=0)
         self._ranks[:, :, slot].copy_(ranks)
         self._scales[:, :, slot].copy_(scales)
 
@@ -109,6 +115,7 @@ class LoraSlots:
         self._ranks[:, :, slot] = 0
         self._scales[:, :, slot] = 0.0
         self.targets[slot] = {}
+        self.slot_ranks[slot] = 0
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..lora.shapes import MODULES
 from .loader import load_hf_config, load_safetensors
+from .lora_tiles import SlotTiles
 from .rope import RotaryEmbedding
 
 
@@ -30,13 +31,15 @@ class LoraBatch:
     """Which adapter slot each token uses (-1 = base model): rows for decode, segments for prefill."""
 
     slots: object  # LoraSlots (stacks per layer and module)
-    token_slots: torch.Tensor | None  # int32 [T]; used by decode (BGMV)
+    token_slots: torch.Tensor | None  # int32 [T]; used by decode, and the torch path's rows left (BGMV)
     seg_starts: torch.Tensor | None  # int32 [G+1]; used with prefill (SGMV)
     seg_slots: torch.Tensor | None  # int32 [G]
     is_decode: bool
-    # (first row, end row, slot) of each run of rows on one adapter, when the torch path adds them
-    # with two dense matmuls per run (one adapter for all rows, or long prefill runs); else None
+    # The torch path's plan (else None): (first row, end row, slot) of each run of rows it adds by two dense
+    # matmuls (one adapter for all rows, prefill chunks), and tiles for the other rows (token_slots: the rows
+    # left, when tiles would waste too much)
     dense_runs: list[tuple[int, int, int]] | None = None
+    tiles: SlotTiles | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,16 +55,19 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int,
     """y += each token's adapter delta for module, in place."""
     s = lora.slots
     a, b = s.a[layer_idx][module], s.b[layer_idx][module]
-    if lora.dense_runs is not None:  # peft's own sum per run of rows, scale * B(A(x)): no gathers
-        for start, end, slot in lora.dense_runs:
+    if lora.dense_runs is not None:  # the torch path
+        for start, end, slot in lora.dense_runs:  # peft's own sum per run of rows, scale * B(A(x))
             target = s.targets[slot].get((layer_idx, module))
             if target is not None:
                 rank, scale = target
                 rows = slice(start, end)
                 y[rows].add_(F.linear(F.linear(x[rows], a[slot, :rank]), b[slot, :, :rank]), alpha=scale)
-        return
+        if lora.tiles is not None:
+            lora.tiles.add(y, x, s.a_t[layer_idx][module], s.b_t[layer_idx][module], s.tile_scales[layer_idx][module])
+        if lora.token_slots is None:
+            return
     ranks, scales = s.ranks[layer_idx][module], s.scales[layer_idx][module]
-    if lora.is_decode:
+    if lora.is_decode or lora.seg_starts is None:
         v = kernels.lora_shrink_bgmv(x, a, lora.token_slots, ranks)
         kernels.lora_expand_bgmv(y, v, b, lora.token_slots, ranks, scales)
     else:

@@ -14,6 +14,7 @@ peft's within LOGIT_ATOL.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ import peft_reference as ref
 from loraplex.config import EngineConfig
 from loraplex.engine import LLMEngine
 from loraplex.models.llama import AttentionBatch, LoraBatch
+from loraplex.models.lora_tiles import SlotTiles
 from loraplex.request import RequestOutput, SamplingParams, SeqStatus
 
 LOGIT_ATOL = 1e-4  # fp32; the observed maximum is below 2e-5 (logits are O(10))
@@ -171,11 +173,14 @@ def test_staggered_multi_lora_batch_matches_peft(lora_family, lora_arch):
 # ---- first-step logits -------------------------------------------------------------------
 
 
-def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], dense: bool = False):
+def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], path: str = "kernels"):
     """Logits of one prefill step over all rows (SGMV) and of the decode step after it (BGMV).
 
-    ``dense``: hand the torch path each row's run of tokens (``LoraBatch.dense_runs``), as
-    the runner does for one-adapter batches and long prefill runs: two matmuls per run.
+    ``path`` is how the LoRA batch is handed to the model: "kernels" (SGMV, then BGMV: the
+    kernels or the reference), "dense" (each row's run of tokens by two matmuls,
+    ``LoraBatch.dense_runs``, as the runner does for one-adapter batches and prefill chunks) or
+    "tiles" (dense prefill, then every decode row in slot tiles, ``LoraBatch.tiles``, as the runner
+    does for decode over many adapters).
 
     Drives ``engine.model.forward`` directly, with tensors built as ModelRunner.execute
     builds them, on a private KV cache. Each row is (prompt ids, adapter name or None);
@@ -212,9 +217,7 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], d
             positions=torch.tensor(positions), slot_mapping=torch.tensor(mapping), block_tables=padded,
             context_lens=torch.tensor(lens, **i32), cu_query_lens=torch.tensor(cu, **i32), is_decode=False,
         )
-        runs = [(cu[i], cu[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0] if dense else None
-        lora = LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),
-                         torch.tensor(slots, **i32), is_decode=False, dense_runs=runs)
+        lora = handed(engine, path, token_slots, cu, slots, is_decode=False)
         with torch.inference_mode():
             hidden = model.forward(torch.tensor(ids), attn, kv, lora)
             prefill = model.logits(hidden[torch.tensor(cu[1:]) - 1])
@@ -225,15 +228,30 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], d
                 block_tables=padded, context_lens=torch.tensor([n + 1 for n in lens], **i32),
                 cu_query_lens=rows_cu, is_decode=True,
             )
-            lora = LoraBatch(engine.lora_slots, torch.tensor(slots, **i32), rows_cu, torch.tensor(slots, **i32),
-                             is_decode=True, dense_runs=[(i, i + 1, slot) for i, slot in enumerate(slots) if slot >= 0]
-                             if dense else None)
+            lora = handed(engine, path, slots, list(range(len(rows) + 1)), slots, is_decode=True)
             decode = model.logits(model.forward(torch.tensor(nxt_tokens), attn, kv, lora))
         return prefill, nxt_tokens, decode
     finally:
         for n, s in zip(names, slots):
             if n and s is not None:
                 engine.adapters.release(n, slot=s)
+
+
+def handed(engine, path: str, token_slots: list[int], cu: list[int], slots: list[int], is_decode: bool) -> LoraBatch:
+    """The LoraBatch of one step (rows cu[i]:cu[i+1] on slots[i]) for the given path (engine_logits)."""
+    i32 = dict(dtype=torch.int32)
+    if path == "dense" or (path == "tiles" and not is_decode):
+        runs = [(cu[i], cu[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0]
+        return LoraBatch(engine.lora_slots, None, None, None, is_decode, dense_runs=runs)
+    if path == "tiles":
+        per_row = np.array(token_slots)
+        rows = np.flatnonzero(per_row >= 0)
+        rank = max(engine.lora_slots.slot_ranks[s] for s in slots if s >= 0)
+        tiles = SlotTiles.plan(rows, per_row[rows], rank, torch.from_numpy)
+        assert tiles is not None
+        return LoraBatch(engine.lora_slots, None, None, None, is_decode, dense_runs=[], tiles=tiles)
+    return LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),
+                     torch.tensor(slots, **i32), is_decode)
 
 
 # Two batches of three adapters each plus base rows; one adapter appears twice, apart, so
@@ -280,13 +298,15 @@ def test_first_step_logits_match_peft(lora_family, lora_arch):
     print(f"{lora_arch}: max |engine - peft| logit difference {worst:.2e}")
 
 
-def test_dense_runs_match_peft(lora_family, lora_arch):
-    # each row's adapter added by two matmuls over its run of rows instead of gathered tiles: the same logits
+@pytest.mark.parametrize("path", ["dense", "tiles"])
+def test_torch_path_matches_peft(lora_family, lora_arch, path):
+    # each row's adapter added by two matmuls over its run of rows, or by slot tiles read in place from the
+    # stacks at the step's largest rank (ranks 4..64 side by side), instead of the reference's gathers
     family = lora_family(lora_arch)
     engine = make_engine(family)
     for batch in LOGIT_BATCHES:
         rows = [(engine.tokenizer(p).input_ids, name) for p, name in batch]
-        prefill, nxt, decode = engine_logits(engine, rows, dense=True)
+        prefill, nxt, decode = engine_logits(engine, rows, path)
         tiles = engine_logits(engine, rows)
         for i, (ids, name) in enumerate(rows):
             adapter = family.adapters[name] if name else None
@@ -309,10 +329,29 @@ def test_the_runner_hands_dense_runs_where_they_pay(lora_family):
         prompts = [f"{k}{i} Hello world" for i in range(len(loras))]  # no prefix-cache hits
         engine.generate([engine.make_request(p, p, greedy(3, lora)) for p, lora in zip(prompts, loras)])
         decodes = [batch for batch in seen if batch.is_decode]
-        assert decodes and all((batch.dense_runs is not None) == (loras == [name, name]) for batch in decodes)
+        one_adapter = loras == [name, name]  # two rows on one adapter: a dense run; else slot tiles
+        assert decodes and all(bool(batch.dense_runs) == one_adapter for batch in decodes)
+        assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
         prefill = next(batch for batch in seen if not batch.is_decode)  # long runs: dense, base rows in none
         covered = sum(end - start for start, end, _ in prefill.dense_runs)
         assert covered == sum(len(engine.tokenizer(p).input_ids) for p, lora in zip(prompts, loras) if lora)
+
+
+def test_the_torch_path_plan_covers_each_adapter_row_once(lora_family):
+    # prefill chunks by dense runs; the short runs by slot tiles, or by per-row slots (dense rows -1)
+    # when the slots in use are too sparse for one range
+    runner = make_engine(lora_family("llama-gqa"), max_loras=6).runner
+    plan = runner._torch_lora_batch
+    decode = plan(np.array([0, 1, 0, -1], np.int32), np.arange(5), True)
+    assert decode.dense_runs == [] and decode.token_slots is None
+    assert (decode.tiles.lo, decode.tiles.hi, decode.tiles.dest.tolist()) == (0, 2, [0, 2, 1])
+    mixed = plan(np.array([2, 0, 1], np.int32), np.array([0, 20, 21, 22]), False)
+    assert mixed.dense_runs == [(0, 20, 2)] and mixed.tiles.dest.tolist() == [20, 21]
+    sparse = plan(np.array([0, 5, 3], np.int32), np.array([0, 1, 2, 30]), False)
+    assert sparse.dense_runs == [(2, 30, 3)] and sparse.tiles is None
+    assert sparse.token_slots.tolist() == [0, 5] + [-1] * 28
+    sparse_decode = plan(np.array([5, 0], np.int32), np.arange(3), True)
+    assert sparse_decode.tiles is None and sparse_decode.token_slots.tolist() == [5, 0]
 
 
 def test_adapter_specs_are_what_the_tests_claim(lora_family):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -14,6 +15,7 @@ from loraplex.lora.adapter import AdapterError, load_peft_adapter
 from loraplex.lora.manager import AdapterManager, AdapterNotFound
 from loraplex.lora.shapes import MODULES, module_shapes
 from loraplex.lora.slots import LoraSlots
+from loraplex.models.lora_tiles import SlotTiles
 
 ALL = list(MODULES)
 
@@ -304,7 +306,9 @@ def test_reregister_while_pinned_retires_old_version(hf_config, adapters, tmp_pa
 # numerics ----------------------------------------------------------------------------
 
 
-def test_bgmv_over_slots_matches_peft_modules(hf_config, adapters, base_model):
+@pytest.mark.parametrize("path", ["bgmv", "tiles"])
+def test_over_slots_matches_peft_modules(hf_config, adapters, base_model, path):
+    # the reference's per-row gathers, and the torch path's slot tiles (read in place at the largest rank)
     mgr = new_manager(hf_config, adapters)
     assert mgr.acquire("one") == 0
     assert mgr.acquire("two") == 1
@@ -321,8 +325,13 @@ def test_bgmv_over_slots_matches_peft_modules(hf_config, adapters, base_model):
             base = getattr(base, "base_layer", base)
             with torch.no_grad():
                 y = x @ base.weight.T
-                v = lora_shrink_bgmv(x, slots.a[layer][m], token_slots, slots.ranks[layer][m])
-                lora_expand_bgmv(y, v, slots.b[layer][m], token_slots, slots.ranks[layer][m], slots.scales[layer][m])
+                if path == "tiles":
+                    tiles = slot_tiles(slots, token_slots)
+                    tiles.add(y, x, slots.a_t[layer][m], slots.b_t[layer][m], slots.tile_scales[layer][m])
+                else:
+                    v = lora_shrink_bgmv(x, slots.a[layer][m], token_slots, slots.ranks[layer][m])
+                    lora_expand_bgmv(y, v, slots.b[layer][m], token_slots, slots.ranks[layer][m],
+                                     slots.scales[layer][m])
                 expected = torch.empty_like(y)
                 for t, s in enumerate(token_slots.tolist()):
                     mod = base if s < 0 else peft_module(pms[s], layer, m)
@@ -330,3 +339,31 @@ def test_bgmv_over_slots_matches_peft_modules(hf_config, adapters, base_model):
             torch.testing.assert_close(y, expected, atol=1e-5, rtol=0)
             if (layer, m) not in two.weights:
                 assert int(slots.ranks[layer][m][1]) == 0
+
+
+def slot_tiles(slots: LoraSlots, token_slots: torch.Tensor) -> SlotTiles:
+    per_row = token_slots.numpy()
+    rows = np.flatnonzero(per_row >= 0)
+    rank = max(slots.slot_ranks[s] for s in per_row[rows].tolist())
+    tiles = SlotTiles.plan(rows, per_row[rows].astype(np.int64), rank, torch.from_numpy)
+    assert tiles is not None
+    return tiles
+
+
+def test_slot_tiles_layout():
+    # rows 1, 3 on slot 2 and row 4 on slot 4: tiles for slots 2..4 of 2 rows; slot 3 and one entry of
+    # slot 4 are padding, which adds to no row
+    tiles = SlotTiles.plan(np.array([1, 3, 4]), np.array([2, 2, 4]), 8, torch.from_numpy)
+    assert (tiles.lo, tiles.hi, tiles.size, tiles.rank) == (2, 5, 2, 8)
+    assert tiles.gather.tolist() == [1, 3, 0, 0, 4, 0]
+    assert tiles.picks.tolist() == [0, 1, 4] and tiles.dest.tolist() == [1, 3, 4]
+    full = SlotTiles.plan(np.array([0, 1, 2, 3]), np.array([1, 0, 1, 0]), 4, torch.from_numpy)
+    assert full.gather.tolist() == [1, 3, 0, 2] and full.picks is None and full.dest.tolist() == [1, 3, 0, 2]
+
+
+def test_slot_tiles_refuse_sparse_slots_and_one_dominant_adapter():
+    assert SlotTiles.plan(np.array([0, 1]), np.array([0, 9]), 8, torch.from_numpy) is None  # 8 unused slots between
+    rows = np.arange(60)
+    slots = np.array([0] * 50 + list(range(1, 11)))  # one adapter owns 50 of 60 rows: 11 tiles of 50
+    assert SlotTiles.plan(rows, slots, 8, torch.from_numpy) is None
+    assert SlotTiles.plan(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 8, torch.from_numpy) is None
