@@ -96,6 +96,7 @@ def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
     counts = torch.tensor([0, 1, 3, 16, 2, 5])
     cu = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).int()
     qp = randn(int(cu[-1]), 2 * group, 32, dtype=torch.float32, gen=gen)
+    monkeypatch.setattr(reference, "DECODE_EACH_MAX_SEQS", 0)  # decode in padded batches too
     results = []
     for limit in (1 << 30, 0):  # everything on the all-heads path, then everything per head
         monkeypatch.setattr(reference, "_ALL_HEADS_ELEMENTS", limit)
@@ -109,10 +110,13 @@ def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("each", [256, 0], ids=["each", "padded"])
 @pytest.mark.parametrize("group", [1, 3])
-def test_reference_one_stream_sdpa_agrees_with_the_batched_path(group):
+def test_reference_one_stream_sdpa_agrees_with_the_batched_path(monkeypatch, group, each):
     """A decode step of one sequence takes torch's fused attention; it must give what the same
-    sequence gets inside a batch (bmm path), NaN in the cache rows outside its context, empty ones too."""
+    sequence gets inside a batch (one sequence at a time, or padded batches), NaN in the cache rows
+    outside its context, empty ones too."""
+    monkeypatch.setattr(reference, "DECODE_EACH_MAX_SEQS", each)
     gen = torch.Generator().manual_seed(11)
     lens = [0, 1, 15, 16, 17, 40]
     cache = paged_cache(lens, 2, 32, 16, torch.float32, gen)
