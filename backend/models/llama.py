@@ -117,8 +117,14 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
         self.packed: list[dict] | None = None  # per layer: module -> pack_fp16 (fp16_weights)
         self.packed_lm_head = None
+        self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         if fp16_weights:
             self._pack_fp16()
+        elif torch.device(device).type == "cpu" and dtype == torch.float32:
+            # one mm over a contiguous W.T: 1.1-2.5x faster than linear for a decode's 1-64 rows (32k vocab)
+            self.lm_head_t = self.lm_head.t().contiguous()
+            if self.lm_head is not self.embed:
+                self.lm_head = None  # only the transposed copy is read
 
     def _pack_fp16(self) -> None:
         if torch.device(self.device).type != "cpu" or self.dtype != torch.float32:
@@ -188,6 +194,8 @@ class LlamaModel:
         """Vocabulary logits in fp32."""
         if self.packed_lm_head is not None:
             return fp16_linear(hidden, self.packed_lm_head)
+        if self.lm_head_t is not None:
+            return torch.mm(hidden, self.lm_head_t)
         return F.linear(hidden, self.lm_head).float()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
