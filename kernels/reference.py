@@ -359,10 +359,27 @@ def _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
-# On the CPU a decode step of up to this many sequences attends one sequence at a time over exactly
-# its context: a padded batch moves every sequence's K/V up to the longest context (W1's long-tailed
-# contexts, 45 sequences: 35 -> 19 ms a layer), and its per-head matmuls cost more ops than the loop.
-DECODE_EACH_MAX_SEQS = 256
+# On the CPU a decode batch attends one sequence at a time over exactly its context (_decode_each) when
+# padding to the longest context would gather much more than the contexts (at least EACH_MIN_WASTE of
+# the padded rows), or, on one thread, when each context is long enough (EACH_MIN_BYTES of K/V a layer,
+# on average) to pay for the loop's ops; short even contexts, and more threads (whose small ops cost
+# more), keep the padded batch. Measured (docs/architecture.md): W1's long-tailed contexts, 45
+# sequences, 35 -> 19 ms a layer; 48 even 32-64-token contexts on 2 threads, the loop 1.5-3.3x slower.
+DECODE_EACH = True  # False: always the padded batch
+EACH_MIN_WASTE = 0.4
+EACH_MIN_BYTES = 128 << 10
+
+
+def _decode_each_pays(context_lens, k_cache) -> bool:
+    """Whether _decode_each beats the padded batch for these contexts (rule above)."""
+    lengths = context_lens.tolist()
+    longest, total = max(lengths), sum(lengths)
+    if longest == 0:
+        return False
+    if 1 - total / (len(lengths) * longest) >= EACH_MIN_WASTE:
+        return True
+    row_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K and V of one token
+    return torch.get_num_threads() == 1 and total * row_bytes >= EACH_MIN_BYTES * len(lengths)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -370,7 +387,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     num_seqs, hq, d = q.shape
     if num_seqs == 1 and q.device.type == "cpu":  # one stream: the fewest ops (SmolLM2: 9.5 -> 5.3 ms a token)
         return _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if num_seqs <= DECODE_EACH_MAX_SEQS and q.device.type == "cpu":
+    if (DECODE_EACH and num_seqs and q.device.type == "cpu"
+            and _DECODE_LAYOUTS.get(context_lens, "each pays", lambda: _decode_each_pays(context_lens, k_cache))):
         return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(q)
     length = int(context_lens.max()) if num_seqs else 0

@@ -2,7 +2,8 @@
 
 Layout per layer and projection (see kernels/reference.py):
   a[layer][module]      [max_loras, max_rank, in_features]   zero-padded past each rank
-  b[layer][module]      [max_loras, out_features, max_rank]  zero-padded past each rank
+  b[layer][module]      [max_loras, out_features, max_rank]  zero-padded past each rank (on the CPU a
+                        view of [max_loras, max_rank, out_features] stored contiguous: see _b_stack)
   ranks[layer][module]  int32 [max_loras]   0 where the slot's adapter does not target it
   scales[layer][module] float32 [max_loras]
 
@@ -50,12 +51,20 @@ class LoraSlots:
         for _ in range(num_layers):
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
                            for m, (i, _o) in self.shapes.items()})
-            self.b.append({m: torch.zeros(max_loras, o, max_rank, dtype=dtype, device=self.device)
-                           for m, (_i, o) in self.shapes.items()})
+            self.b.append({m: self._b_stack(o) for m, (_i, o) in self.shapes.items()})
         # the same stacks as batched-matmul operands for the torch path: A.T [S, in, R], B.T [S, R, out], scales [S, 1, 1]
         self.a_t = [{m: a.transpose(1, 2) for m, a in layer.items()} for layer in self.a]
         self.b_t = [{m: b.transpose(1, 2) for m, b in layer.items()} for layer in self.b]
         self.tile_scales = [{m: t.view(-1, 1, 1) for m, t in layer.items()} for layer in self.scales]
+
+    def _b_stack(self, out_features: int) -> torch.Tensor:
+        """A zeroed B stack [max_loras, out, max_rank]. On the CPU it is a view of B.T stored contiguous
+        ([max_loras, max_rank, out]): the torch path's batched matmuls read that 1.7-2.3x faster at
+        2 rows an adapter; the CUDA kernels read [max_loras, out, max_rank] contiguous."""
+        if self.device.type == "cpu":
+            stored = torch.zeros(self.max_loras, self.max_rank, out_features, dtype=self.dtype, device=self.device)
+            return stored.transpose(1, 2)
+        return torch.zeros(self.max_loras, out_features, self.max_rank, dtype=self.dtype, device=self.device)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write an adapter into a slot, replacing (and zeroing) whatever the slot held.
