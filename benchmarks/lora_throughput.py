@@ -8,7 +8,7 @@ What runs (same batch of --batch sequences in every row: same prompt lengths, gr
 ignore_eos, exactly --max-tokens generated tokens each):
 
 * engine: ``loraplex.engine.LLMEngine`` with all requests added at once, stepped on this
-  thread. Decode throughput = tokens sampled in pure decode steps / the time of those steps
+  thread; the rows take turns over the repeats (base, 8, 32, base, ...), best of each. Decode throughput = tokens sampled in pure decode steps / the time of those steps
   (the prefill step that also samples each sequence's first token is excluded); end-to-end
   = all generated tokens / wall time from add_request to the last output.
 * peft (naive): the HF model wrapped by ``PeftModel`` with every adapter preloaded; for each
@@ -203,11 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - t_start:.1f}s")
 
     rows = [("base", [])] + [(f"{c} adapter{'s' if c > 1 else ''}", names[:c]) for c in counts]
+    for label, row_names in rows:  # loads every adapter into a slot (there is one for each)
+        run_engine(engine, prompts, assign(args.batch, row_names), min(4, args.max_tokens), "warm")
+    engine_runs = {label: [] for label, _ in rows}
+    for k in range(args.repeats):  # the rows take turns, so a slower minute of a shared machine hits them alike
+        for label, row_names in rows:
+            engine_runs[label].append(run_engine(engine, prompts, assign(args.batch, row_names), args.max_tokens,
+                                                 f"{label}-{k}"))
     results = []
     for label, row_names in rows:
         loras = assign(args.batch, row_names)
-        run_engine(engine, prompts, loras, min(4, args.max_tokens), "warm")  # loads adapters into slots
-        eng = best([run_engine(engine, prompts, loras, args.max_tokens, f"{label}-{k}") for k in range(args.repeats)])
+        eng = best(engine_runs[label])
         model = hf if not row_names else peft_model
         run_peft(model, tokenizer, prompts[:2], loras[:2], 2)  # warm-up
         ref = best([run_peft(model, tokenizer, prompts, loras, args.max_tokens) for _ in range(args.repeats)])
