@@ -359,27 +359,57 @@ def _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
-# On the CPU a decode batch attends one sequence at a time over exactly its context (_decode_each) when
-# padding to the longest context would gather much more than the contexts (at least EACH_MIN_WASTE of
-# the padded rows), or, on one thread, when each context is long enough (EACH_MIN_BYTES of K/V a layer,
-# on average) to pay for the loop's ops; short even contexts, and more threads (whose small ops cost
-# more), keep the padded batch. Measured (docs/architecture.md): W1's long-tailed contexts, 45
-# sequences, 35 -> 19 ms a layer; 48 even 32-64-token contexts on 2 threads, the loop 1.5-3.3x slower.
-DECODE_EACH = True  # False: always the padded batch
-EACH_MIN_WASTE = 0.4
-EACH_MIN_BYTES = 128 << 10
+def _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """paged_attention_decode over buckets of sequences of similar context lengths, each bucket one fused
+    SDPA call for every head with a padding mask (after _gather_all_heads zeroed the padding rows)."""
+    block_size = k_cache.shape[1]
+    key = ("buckets", block_size, block_tables.data_ptr(), tuple(block_tables.shape))
+    plan = _DECODE_LAYOUTS.get(context_lens, key, lambda: _bucket_plan(block_tables, context_lens, block_size,
+                                                                        k_cache.shape[2] * k_cache.shape[3]))
+    out = torch.zeros_like(q)  # a sequence with an empty context sees nothing: zeros
+    for seqs, blocks, outside, bias in plan:
+        o = _attend_sdpa(q.index_select(0, seqs)[:, None].float(), k_cache, v_cache, blocks, outside, bias, scale)
+        out.index_copy_(0, seqs, o[:, 0].to(q.dtype))
+    return out
+
+
+def _bucket_plan(block_tables, context_lens, block_size, row_elements):
+    """[(sequences int64, blocks, outside, bias)] per bucket: sequences sorted by context length and cut where
+    the longest would pass BUCKET_SLACK times the shortest plus a block, or the bucket's K BUCKET_ELEMENTS."""
+    order = sorted((n, b) for b, n in enumerate(context_lens.tolist()) if n > 0)
+    plan, first = [], 0
+    while first < len(order):
+        shortest, end = order[first][0], first + 1
+        while (end < len(order) and order[end][0] <= BUCKET_SLACK * shortest + block_size
+               and (end + 1 - first) * order[end][0] * row_elements <= BUCKET_ELEMENTS):
+            end += 1
+        seqs = torch.tensor([b for _, b in order[first:end]], device=block_tables.device)
+        lens = context_lens.index_select(0, seqs.to(context_lens.device))
+        blocks, outside, bias, _answered = _layout(lens.long()[:, None] - 1, block_tables[seqs], lens, block_size)
+        plan.append((seqs, blocks, outside, bias))
+        first = end
+    return plan
 
 
 def _decode_each_pays(context_lens, k_cache) -> bool:
-    """Whether _decode_each beats the padded batch for these contexts (rule above)."""
-    lengths = context_lens.tolist()
-    longest, total = max(lengths), sum(lengths)
-    if longest == 0:
+    """Whether _decode_each beats the buckets: on one thread, contexts of EACH_MIN_BYTES of K/V on average."""
+    if torch.get_num_threads() != 1:
         return False
-    if 1 - total / (len(lengths) * longest) >= EACH_MIN_WASTE:
-        return True
     row_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K and V of one token
-    return torch.get_num_threads() == 1 and total * row_bytes >= EACH_MIN_BYTES * len(lengths)
+    return sum(context_lens.tolist()) * row_bytes >= EACH_MIN_BYTES * context_lens.shape[0]
+
+
+# How the CPU attends a decode batch ("auto": the rule below; "each", "buckets" or "padded" to force one).
+# auto: one sequence at a time over exactly its context (_decode_each) on one thread when the contexts
+# hold EACH_MIN_BYTES of K/V a layer on average (the loop's ops are then paid for); else buckets of
+# similar lengths, one fused SDPA each (_decode_buckets). The padded batch (_attend's matmuls over
+# chunks in their order) is what a CUDA tensor gets here. Measured (1-2 threads, 16-160 sequences of
+# 20-300 tokens, docs/architecture.md): buckets 1.0-2.5x faster than the padded batch; the loop 1.4-1.7x
+# faster than the buckets at W1's 4 KiB rows on one thread, 2-3x slower at short contexts.
+CPU_DECODE = "auto"
+EACH_MIN_BYTES = 256 << 10
+BUCKET_SLACK = 1.5
+BUCKET_ELEMENTS = 1 << 22
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -387,9 +417,12 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     num_seqs, hq, d = q.shape
     if num_seqs == 1 and q.device.type == "cpu":  # one stream: the fewest ops (SmolLM2: 9.5 -> 5.3 ms a token)
         return _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if (DECODE_EACH and num_seqs and q.device.type == "cpu"
-            and _DECODE_LAYOUTS.get(context_lens, "each pays", lambda: _decode_each_pays(context_lens, k_cache))):
-        return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if q.device.type == "cpu" and num_seqs and CPU_DECODE != "padded":
+        each = CPU_DECODE == "each" or (CPU_DECODE == "auto" and _DECODE_LAYOUTS.get(
+            context_lens, "each pays", lambda: _decode_each_pays(context_lens, k_cache)))
+        if each:
+            return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(q)
     length = int(context_lens.max()) if num_seqs else 0
     step = _chunk(length * max(hq // k_cache.shape[2], d))  # per KV head: scores, gathered K / V

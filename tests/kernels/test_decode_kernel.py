@@ -96,7 +96,7 @@ def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
     counts = torch.tensor([0, 1, 3, 16, 2, 5])
     cu = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).int()
     qp = randn(int(cu[-1]), 2 * group, 32, dtype=torch.float32, gen=gen)
-    monkeypatch.setattr(reference, "DECODE_EACH", False)  # decode in padded batches too
+    monkeypatch.setattr(reference, "CPU_DECODE", "padded")  # decode in padded batches too
     results = []
     for limit in (1 << 30, 0):  # everything on the all-heads path, then everything per head
         monkeypatch.setattr(reference, "_ALL_HEADS_ELEMENTS", limit)
@@ -110,13 +110,13 @@ def test_reference_all_heads_and_per_head_agree(monkeypatch, group):
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("each", [True, False], ids=["each", "padded"])
+@pytest.mark.parametrize("mode", ["each", "buckets", "padded"])
 @pytest.mark.parametrize("group", [1, 3])
-def test_reference_one_stream_sdpa_agrees_with_the_batched_path(monkeypatch, group, each):
+def test_reference_one_stream_sdpa_agrees_with_the_batched_path(monkeypatch, group, mode):
     """A decode step of one sequence takes torch's fused attention; it must give what the same
-    sequence gets inside a batch (one sequence at a time, or padded batches), NaN in the cache rows
+    sequence gets inside a batch (one sequence at a time, in buckets, or padded), NaN in the cache rows
     outside its context, empty ones too."""
-    monkeypatch.setattr(reference, "DECODE_EACH", each)
+    monkeypatch.setattr(reference, "CPU_DECODE", mode)
     gen = torch.Generator().manual_seed(11)
     lens = [0, 1, 15, 16, 17, 40]
     cache = paged_cache(lens, 2, 32, 16, torch.float32, gen)
@@ -132,10 +132,18 @@ def test_reference_one_stream_sdpa_agrees_with_the_batched_path(monkeypatch, gro
 
 def test_cpu_decode_attends_one_at_a_time_where_that_pays(monkeypatch):
     cache = torch.zeros(4, 16, 8, 64)  # W1's KV row: 8 heads x 64, 4 KiB for K and V of a token
-    uneven, even = torch.tensor([32, 40, 300]), torch.tensor([20, 24, 28])
     for threads in (1, 2):
         monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-        assert reference._decode_each_pays(uneven, cache)  # padding would gather 2.3x the contexts
-        assert not reference._decode_each_pays(even, cache)  # 96 KiB a context: too short to pay
-        assert reference._decode_each_pays(torch.tensor([300, 320, 340]), cache) == (threads == 1)
+        assert reference._decode_each_pays(torch.tensor([32, 40, 300]), cache) == (threads == 1)  # 496 KiB
+        assert not reference._decode_each_pays(torch.tensor([20, 24, 28]), cache)  # 96 KiB a context
     assert not reference._decode_each_pays(torch.tensor([0, 0]), cache)
+
+
+def test_cpu_decode_buckets_cut_at_the_slack_and_the_size():
+    # lengths 10, 12, 30, 31, 100 (and an empty context, in no bucket), blocks of 4: 12 <= 1.5 * 10 + 4, 30 is not
+    lens = torch.tensor([30, 10, 0, 100, 12, 31], dtype=torch.int32)
+    tables = torch.arange(6 * 25, dtype=torch.int32).view(6, 25)
+    plan = reference._bucket_plan(tables, lens, 4, 2 * 32)
+    assert [seqs.tolist() for seqs, *_ in plan] == [[1, 4], [0, 5], [3]]
+    small = reference._bucket_plan(tables, lens, 4, reference.BUCKET_ELEMENTS // 40)  # 40 tokens a bucket
+    assert [seqs.tolist() for seqs, *_ in small] == [[1, 4], [0], [5], [3]]

@@ -83,7 +83,7 @@ def test_host_lengths_spare_every_device_read(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", read_back)
     # the decodes take the batched reference, as a GPU takes the decode kernel (the CPU's per-sequence
     # decode reads the lengths on the host, where that is no device read)
-    monkeypatch.setattr(reference, "DECODE_EACH", False)
+    monkeypatch.setattr(reference, "CPU_DECODE", "padded")
     layers = [paged_attention_prefill_sdpa(*args) for _ in range(3)]  # every layer of the step
     monkeypatch.undo()
     for got in layers:
