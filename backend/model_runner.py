@@ -160,19 +160,25 @@ class ModelRunner:
 
     def _torch_lora_batch(self, slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> LoraBatch:
         """Runs of DENSE_LORA_MIN_ROWS rows or more on one adapter (the whole batch, prefill chunks) by two
-        matmuls each, the other rows by slot tiles; per-row slots for those when tiles would waste too much."""
-        seg_starts, seg_slots = _segments(slots, cu)
-        lengths = np.diff(seg_starts)
-        dense = (seg_slots >= 0) & ((lengths >= DENSE_LORA_MIN_ROWS) | (len(seg_slots) == 1))
-        runs = [(int(seg_starts[g]), int(seg_starts[g + 1]), int(seg_slots[g])) for g in np.flatnonzero(dense)]
-        short = np.flatnonzero((seg_slots >= 0) & ~dense)
-        if short.size == 0:
-            return LoraBatch(self.lora_slots, None, None, None, is_decode, runs)
-        row_slots = np.repeat(np.where((seg_slots >= 0) & ~dense, seg_slots, -1), lengths)  # -1: base or dense
+        matmuls each, the other rows by slot tiles; per-row slots for those when tiles would waste too much.
+        A decode step is one dense run when every row has one adapter, else all tiles (the common case, kept cheap)."""
+        if is_decode:
+            if slots[0] >= 0 and (slots == slots[0]).all():
+                return LoraBatch(self.lora_slots, None, None, None, True, [(0, len(slots), int(slots[0]))])
+            row_slots = slots
+        else:
+            seg_starts, seg_slots = _segments(slots, cu)
+            lengths = np.diff(seg_starts)
+            dense = (seg_slots >= 0) & ((lengths >= DENSE_LORA_MIN_ROWS) | (len(seg_slots) == 1))
+            runs = [(int(seg_starts[g]), int(seg_starts[g + 1]), int(seg_slots[g])) for g in np.flatnonzero(dense)]
+            if not ((seg_slots >= 0) & ~dense).any():
+                return LoraBatch(self.lora_slots, None, None, None, False, runs)
+            row_slots = np.repeat(np.where(dense, -1, seg_slots), lengths)  # -1: base or dense
         rows = np.flatnonzero(row_slots >= 0)
         ranks = self.lora_slots.slot_ranks
-        rank = max(ranks[s] for s in seg_slots[short].tolist())
+        rank = max(ranks[s] for s in set(row_slots[rows].tolist()))
         tiles = SlotTiles.plan(rows, row_slots[rows], rank, self._tensor)
+        runs = [] if is_decode else runs
         if tiles is None:  # the rows left go through the per-row gather (BGMV)
             return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, is_decode, runs)
         return LoraBatch(self.lora_slots, None, None, None, is_decode, runs, tiles)
