@@ -45,7 +45,7 @@ class ModelRunner:
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
-        self._dense_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
+        self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
         self.computing: threading.Event | None = None
@@ -151,7 +151,7 @@ class ModelRunner:
         if max(slot_list) < 0:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
-        if self._dense_lora:
+        if self._torch_lora:
             return self._torch_lora_batch(slots, cu, is_decode)
         if is_decode:
             return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
@@ -165,7 +165,7 @@ class ModelRunner:
         if is_decode:
             if slots[0] >= 0 and (slots == slots[0]).all():
                 return LoraBatch(self.lora_slots, None, None, None, True, [(0, len(slots), int(slots[0]))])
-            row_slots = slots
+            runs, row_slots = [], slots
         else:
             seg_starts, seg_slots = _segments(slots, cu)
             lengths = np.diff(seg_starts)
@@ -178,7 +178,6 @@ class ModelRunner:
         ranks = self.lora_slots.slot_ranks
         rank = max(ranks[s] for s in set(row_slots[rows].tolist()))
         tiles = SlotTiles.plan(rows, row_slots[rows], rank, self._tensor)
-        runs = [] if is_decode else runs
         if tiles is None:  # the rows left go through the per-row gather (BGMV)
             return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, is_decode, runs)
         return LoraBatch(self.lora_slots, None, None, None, is_decode, runs, tiles)

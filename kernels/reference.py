@@ -319,43 +319,29 @@ def _chunk(per_seq_elements):
     return max(1, _CHUNK_ELEMENTS // max(1, per_seq_elements))
 
 
-def _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """paged_attention_decode of one sequence: its context gathered exactly (no padding, no mask), then SDPA."""
-    block_size, q_dtype = k_cache.shape[1], q.dtype
-
-    def context():
-        length = int(context_lens[0])
-        return block_tables[0, : -(-length // block_size)].to(k_cache.device).long(), length
-
-    blocks, length = _DECODE_LAYOUTS.get(context_lens, ("one", block_size, block_tables.data_ptr()), context)
-    k, v = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None] for c in (k_cache, v_cache))
-    if k.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
-    o = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
-                                       enable_gqa=q.shape[1] != k_cache.shape[2])  # [1, Hq, 1, D]
-    return o[:, :, 0].to(q_dtype)
-
-
 def _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """paged_attention_decode one sequence at a time, each over exactly its context (no padding, no mask)."""
-    block_size, q_dtype = k_cache.shape[1], q.dtype
+    """paged_attention_decode one sequence at a time, each over exactly its context: its rows gathered by
+    blocks and cut at its length (no padding, so no mask and no zeroing), then torch's fused attention."""
+    block_size, gqa = k_cache.shape[1], q.shape[1] != k_cache.shape[2]
 
     def contexts():
-        lengths = context_lens.tolist()
         tables = block_tables.to(k_cache.device).long()
-        return [(tables[b, : -(-n // block_size)], n) for b, n in enumerate(lengths)]
+        return [(tables[b, : -(-n // block_size)], n) for b, n in enumerate(context_lens.tolist())]
 
-    out = torch.zeros_like(q)
-    gqa = q.shape[1] != k_cache.shape[2]
-    for b, (blocks, length) in enumerate(_DECODE_LAYOUTS.get(context_lens, ("each", block_size,
-                                                                             block_tables.data_ptr()), contexts)):
-        if length == 0:
-            continue  # sees nothing: zeros
+    def attend(b, blocks, length):  # [1, Hq, 1, D] in fp32
         k, v = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None] for c in (k_cache, v_cache))
         qb = q[b, None, :, None]
         if k.dtype != torch.float32:
             qb, k, v = qb.float(), k.float(), v.float()
-        out[b] = F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=gqa)[0, :, 0].to(q_dtype)
+        return F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=gqa)
+
+    seqs = _DECODE_LAYOUTS.get(context_lens, ("each", block_size, block_tables.data_ptr()), contexts)
+    if len(seqs) == 1 and seqs[0][1]:  # one stream: the fewest ops
+        return attend(0, *seqs[0])[:, :, 0].to(q.dtype)
+    out = torch.zeros_like(q)  # a sequence with an empty context sees nothing: zeros
+    for b, (blocks, length) in enumerate(seqs):
+        if length:
+            out[b] = attend(b, blocks, length)[0, :, 0].to(q.dtype)
     return out
 
 
@@ -415,12 +401,10 @@ BUCKET_ELEMENTS = 1 << 22
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """One query per sequence [B, Hq, D] over its whole cached context -> [B, Hq, D]."""
     num_seqs, hq, d = q.shape
-    if num_seqs == 1 and q.device.type == "cpu":  # one stream: the fewest ops (SmolLM2: 9.5 -> 5.3 ms a token)
-        return _decode_one(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if q.device.type == "cpu" and num_seqs and CPU_DECODE != "padded":
-        each = CPU_DECODE == "each" or (CPU_DECODE == "auto" and _DECODE_LAYOUTS.get(
+    if q.device.type == "cpu" and (num_seqs == 1 or num_seqs and CPU_DECODE != "padded"):
+        each = num_seqs == 1 or CPU_DECODE == "each" or (CPU_DECODE == "auto" and _DECODE_LAYOUTS.get(
             context_lens, "each pays", lambda: _decode_each_pays(context_lens, k_cache)))
-        if each:
+        if each:  # one stream: the fewest ops (SmolLM2: 9.5 -> 5.3 ms a token)
             return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale)
         return _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(q)
