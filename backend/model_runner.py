@@ -175,9 +175,7 @@ class ModelRunner:
                 return LoraBatch(self.lora_slots, None, None, None, False, runs)
             row_slots = np.repeat(np.where(dense, -1, seg_slots), lengths)  # -1: base or dense
         rows = np.flatnonzero(row_slots >= 0)
-        ranks = self.lora_slots.slot_ranks
-        rank = max(ranks[s] for s in set(row_slots[rows].tolist()))
-        tiles = SlotTiles.plan(rows, row_slots[rows], rank, self._tensor)
+        tiles = SlotTiles.plan(rows, row_slots[rows], self.lora_slots.slot_ranks, self._tensor)
         if tiles is None:  # the rows left go through the per-row gather (BGMV)
             return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, is_decode, runs)
         return LoraBatch(self.lora_slots, None, None, None, is_decode, runs, tiles)

@@ -34,9 +34,10 @@ class SlotTiles:
     _x_tiles: torch.Tensor | None = None
 
     @classmethod
-    def plan(cls, rows: np.ndarray, slots: np.ndarray, rank: int, to_tensor) -> SlotTiles | None:
-        """Tiles for rows (int, ascending) on slots (>= 0, one per row); None when a range of slots
-        would waste too much: more unused slots than used ones, or one adapter far above the mean."""
+    def plan(cls, rows: np.ndarray, slots: np.ndarray, slot_ranks: list[int], to_tensor) -> SlotTiles | None:
+        """Tiles for rows (int, ascending) on slots (>= 0, one per row), at the largest of the used slots'
+        slot_ranks; None when a range of slots would waste too much: more unused slots than used ones,
+        or one adapter far above the mean."""
         if rows.size == 0:
             return None
         order = np.argsort(slots, kind="stable")
@@ -47,6 +48,7 @@ class SlotTiles:
         entries = (hi - lo) * size
         if hi - lo > 2 * used or entries > 2 * rows.size + 16 * used:
             return None
+        rank = max(slot_ranks[lo + i] for i in np.flatnonzero(counts).tolist())
         starts = np.cumsum(counts) - counts
         entry = (slots - lo) * size + np.arange(rows.size) - np.repeat(starts, counts)
         gather = np.zeros(entries, np.int64)

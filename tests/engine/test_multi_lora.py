@@ -246,8 +246,7 @@ def handed(engine, path: str, token_slots: list[int], cu: list[int], slots: list
     if path == "tiles":
         per_row = np.array(token_slots)
         rows = np.flatnonzero(per_row >= 0)
-        rank = max(engine.lora_slots.slot_ranks[s] for s in slots if s >= 0)
-        tiles = SlotTiles.plan(rows, per_row[rows], rank, torch.from_numpy)
+        tiles = SlotTiles.plan(rows, per_row[rows], engine.lora_slots.slot_ranks, torch.from_numpy)
         assert tiles is not None
         return LoraBatch(engine.lora_slots, None, None, None, is_decode, dense_runs=[], tiles=tiles)
     return LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),

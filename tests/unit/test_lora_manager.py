@@ -344,8 +344,7 @@ def test_over_slots_matches_peft_modules(hf_config, adapters, base_model, path):
 def slot_tiles(slots: LoraSlots, token_slots: torch.Tensor) -> SlotTiles:
     per_row = token_slots.numpy()
     rows = np.flatnonzero(per_row >= 0)
-    rank = max(slots.slot_ranks[s] for s in per_row[rows].tolist())
-    tiles = SlotTiles.plan(rows, per_row[rows].astype(np.int64), rank, torch.from_numpy)
+    tiles = SlotTiles.plan(rows, per_row[rows].astype(np.int64), slots.slot_ranks, torch.from_numpy)
     assert tiles is not None
     return tiles
 
@@ -353,17 +352,19 @@ def slot_tiles(slots: LoraSlots, token_slots: torch.Tensor) -> SlotTiles:
 def test_slot_tiles_layout():
     # rows 1, 3 on slot 2 and row 4 on slot 4: tiles for slots 2..4 of 2 rows; slot 3 and one entry of
     # slot 4 are padding, which adds to no row
-    tiles = SlotTiles.plan(np.array([1, 3, 4]), np.array([2, 2, 4]), 8, torch.from_numpy)
+    ranks = [0, 0, 8, 64, 4]  # slot 3 is in the range but unused: its rank does not count
+    tiles = SlotTiles.plan(np.array([1, 3, 4]), np.array([2, 2, 4]), ranks, torch.from_numpy)
     assert (tiles.lo, tiles.hi, tiles.size, tiles.rank) == (2, 5, 2, 8)
     assert tiles.gather.tolist() == [1, 3, 0, 0, 4, 0]
     assert tiles.picks.tolist() == [0, 1, 4] and tiles.dest.tolist() == [1, 3, 4]
-    full = SlotTiles.plan(np.array([0, 1, 2, 3]), np.array([1, 0, 1, 0]), 4, torch.from_numpy)
+    full = SlotTiles.plan(np.array([0, 1, 2, 3]), np.array([1, 0, 1, 0]), [4, 4], torch.from_numpy)
     assert full.gather.tolist() == [1, 3, 0, 2] and full.picks is None and full.dest.tolist() == [1, 3, 0, 2]
 
 
 def test_slot_tiles_refuse_sparse_slots_and_one_dominant_adapter():
-    assert SlotTiles.plan(np.array([0, 1]), np.array([0, 9]), 8, torch.from_numpy) is None  # 8 unused slots between
+    ranks = [8] * 11
+    assert SlotTiles.plan(np.array([0, 1]), np.array([0, 9]), ranks, torch.from_numpy) is None  # 8 unused slots between
     rows = np.arange(60)
     slots = np.array([0] * 50 + list(range(1, 11)))  # one adapter owns 50 of 60 rows: 11 tiles of 50
-    assert SlotTiles.plan(rows, slots, 8, torch.from_numpy) is None
-    assert SlotTiles.plan(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 8, torch.from_numpy) is None
+    assert SlotTiles.plan(rows, slots, ranks, torch.from_numpy) is None
+    assert SlotTiles.plan(np.array([], dtype=np.int64), np.array([], dtype=np.int64), ranks, torch.from_numpy) is None
