@@ -14,7 +14,7 @@ from . import kernels
 from .models.llama import AttentionBatch, LlamaModel, LoraBatch
 from .models.lora_tiles import SlotTiles
 from .sampler import sample_tokens, token_logprobs
-from .step_arrays import StepArrays
+from .step_arrays import RepeatedDecode
 
 
 # On the torch path a run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two
@@ -27,8 +27,8 @@ class RunnerOutput:
     """Per scheduled sequence, then per fork child: sampled token (None mid-prefill), its logprob, top candidates."""
 
     token_ids: list[int | None]
-    logprobs: list[float | None]
-    top_logprobs: list
+    logprobs: list[float | None] | None  # None: no row asked for logprobs this step (none computed)
+    top_logprobs: list | None
     errors: dict[int, Exception] = field(default_factory=dict)  # row -> why that row could not be sampled
 
 
@@ -47,6 +47,8 @@ class ModelRunner:
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
+        self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs by a few vector ops
+        self._plans: tuple = ()  # that batch's LoRA plan and sampling rows, reused while it repeats
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
         self.computing: threading.Event | None = None
 
@@ -59,7 +61,7 @@ class ModelRunner:
             self.copy_blocks(batch)
         if not batch.seqs:
             return RunnerOutput([], [], [])
-        step = StepArrays.build(batch, self.block_size)
+        step, repeated = self._inputs.build(batch)
         attn = AttentionBatch(
             positions=self._tensor(step.positions),
             slot_mapping=self._tensor(step.slot_mapping),
@@ -71,7 +73,10 @@ class ModelRunner:
         if not step.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
             kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
                                           step.context_lens.tolist())
-        lora = self._lora_batch(batch, step.cu, step.is_decode)
+        if repeated:
+            lora, sampling = self._plans
+        else:
+            lora, sampling = self._lora_batch(batch, step.cu, step.is_decode), None
         num = len(batch.seqs)
         sample_seqs = step.sample_seqs.tolist()
         every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
@@ -95,15 +100,25 @@ class ModelRunner:
             logits = self.model.logits(picked)
             if not math.isfinite(logits.sum().item()):  # one reduction; a NaN or inf anywhere shows in the sum
                 logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
-            params, generators, random_rows, wants_logprobs = _sampling_rows(seqs)
+            sampling = sampling or _sampling_rows(seqs)
+            params, generators, random_rows, wants_logprobs = sampling
             tokens = sample_tokens(logits, params, generators, random_rows)
             if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
             else:  # nobody reads them: skip a logsumexp over the vocabulary per row
-                chosen, tops = [0.0] * len(seqs), [None] * len(seqs)
-            tokens = tokens.tolist()
+                chosen = tops = None
+            token_array = tokens.cpu().numpy()
+            tokens = token_array.tolist()
+        if not errors:
+            self._inputs.sampled(batch.seqs, token_array)
+            self._plans = (lora, sampling)
         if every_seq:  # sample j is row j
             return RunnerOutput(tokens, chosen, tops, errors)
+        if chosen is None:
+            out = RunnerOutput([None] * rows, None, None, errors)
+            for j, i in enumerate(sample_seqs):
+                out.token_ids[i] = tokens[j]
+            return out
         out = RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
         for j, i in enumerate(sample_seqs):
             out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]

@@ -462,42 +462,29 @@ class Scheduler:
         length or token says it may have one, fair-share charges once per tenant.
         """
         changed: list[Sequence] = []
-        forks_at: dict[int, list] = {}
-        base = len(batch.seqs)
-        for j, (i, child) in enumerate(batch.forks):
-            forks_at.setdefault(i, []).append((base + j, child))
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         charges: dict | None = {} if self.vtc is not None else None
         maybe_done: list[tuple[Sequence, int]] = []  # (seq, token) that may have finished: ended after the charges
-        finished_status, counts = SeqStatus.FINISHED, batch.num_new_tokens
-        sampled: list[tuple[Sequence, int]] = []  # (sample, its row of the result), fork children first
-        for i, seq in enumerate(batch.seqs):
-            if seq.status is finished_status:  # its request failed after the forward (e.g. bad logits)
-                continue
-            n = counts[i]
-            computed = seq.num_computed_tokens + n
-            seq.num_computed_tokens = computed
-            if caching and computed % bs < n:  # this step filled a block
-                kv.cache_full_blocks(seq.seq_id, seq.token_ids, computed, seq.namespace)
-            if tokens[i] is None:
-                continue
-            if forks_at and i in forks_at:
-                try:
-                    for row, child in forks_at[i]:
-                        self._fork(seq, child)
-                        sampled.append((child, row))
-                    seq.forks = []
-                except Exception as exc:  # noqa: BLE001 - a fork failed: fail this request, not the step
-                    seq.error = exc
-            sampled.append((seq, i))
+        finished_status, counts, seqs = SeqStatus.FINISHED, batch.num_new_tokens, batch.seqs
+        # A decode step without forks (most steps) takes every row's token in the one loop below; any other
+        # step first advances each sequence here and lists its samples (sample, row), fork children first.
+        decode = not batch.forks and len(seqs) == len(tokens) and sum(counts) == len(seqs) and None not in tokens
+        sampled = zip(seqs, range(len(seqs))) if decode else self._advance(batch, tokens)
         for seq, row in sampled:  # append each token, count it, note whether it may end the sequence
+            if decode:
+                if seq.status is finished_status:  # its request failed after the forward (e.g. bad logits)
+                    continue
+                computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                if caching and computed % bs == 0:  # this step filled a block
+                    kv.cache_full_blocks(seq.seq_id, seq.token_ids, computed, seq.namespace)
             token, ids = tokens[row], seq.token_ids
             ids.append(token)
-            seq.cumulative_logprob += logprobs[row]
-            if tops[row] is not None:
-                seq.pending_logprobs.append(tops[row])
+            if logprobs is not None:
+                seq.cumulative_logprob += logprobs[row]
+                if tops[row] is not None:
+                    seq.pending_logprobs.append(tops[row])
             if charges is not None:
                 key = (seq.request.tenant, _weight(seq.request))
                 charges[key] = charges.get(key, 0) + 1
@@ -516,6 +503,37 @@ class Scheduler:
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return changed
+
+    def _advance(self, batch: SchedulerOutput, tokens: list) -> list[tuple[Sequence, int]]:
+        """Count each sequence's computed tokens (caching the blocks it filled) and fork samples after a prefill;
+        returns the samples that got a token, (sample, its row of the result), fork children first."""
+        forks_at: dict[int, list] = {}
+        base = len(batch.seqs)
+        for j, (i, child) in enumerate(batch.forks):
+            forks_at.setdefault(i, []).append((base + j, child))
+        kv, bs = self.kv, self.kv.block_size
+        caching = kv.enable_prefix_caching
+        sampled: list[tuple[Sequence, int]] = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is SeqStatus.FINISHED:  # its request failed after the forward (e.g. bad logits)
+                continue
+            n = batch.num_new_tokens[i]
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            if caching and computed % bs < n:  # this step filled a block
+                kv.cache_full_blocks(seq.seq_id, seq.token_ids, computed, seq.namespace)
+            if tokens[i] is None:
+                continue
+            if forks_at and i in forks_at:
+                try:
+                    for row, child in forks_at[i]:
+                        self._fork(seq, child)
+                        sampled.append((child, row))
+                    seq.forks = []
+                except Exception as exc:  # noqa: BLE001 - a fork failed: fail this request, not the step
+                    seq.error = exc
+            sampled.append((seq, i))
+        return sampled
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares the parent's blocks (the partly filled last one too) and takes its pin already held."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
@@ -80,3 +81,76 @@ def _padded(tables: list[list[int]]) -> np.ndarray:
     return block_tables
 
 
+
+
+_computed = attrgetter("num_computed_tokens")
+_last = itemgetter(-1)
+
+
+class RepeatedDecode:
+    """A decode batch that repeats, kept between steps (vLLM v1's persistent batch).
+
+    While a decode step runs the same sequences in the same order as the last one, and
+    each of them got the token sampled for it, its inputs follow from the last step's in
+    a few vector ops: positions + 1, the sampled tokens as input ids, and only the block
+    table rows whose length or last block changed (a new block, copy-on-write) read
+    again. Any other step rebuilds (``StepArrays.build``) and starts over. The arrays are
+    the same as a rebuild's. ``build`` commits nothing: ``sampled`` does, after sampling.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._seqs: list | None = None  # the last committed decode step's sequences
+        self._step: StepArrays | None = None
+        self._tokens: np.ndarray | None = None  # what that step sampled, one per sequence
+        self._lens = self._lasts = None  # its block tables' lengths and last blocks
+        self._pending: tuple | None = None
+
+    def build(self, batch) -> tuple[StepArrays, bool]:
+        """The step's arrays, and whether it repeats the last one (then the caller may reuse per-batch plans)."""
+        seqs, num = batch.seqs, len(batch.seqs)
+        last, self._pending = self._seqs, None
+        if (last is not None and len(last) == num and not batch.forks and sum(batch.num_new_tokens) == num
+                and all(map(is_, seqs, last))):
+            positions = self._step.positions + 1
+            if np.array_equal(np.fromiter(map(_computed, seqs), np.int64, num), positions):
+                return self._advance(batch.block_tables, positions), True
+        self._seqs = None
+        step = StepArrays.build(batch, self.block_size)
+        if step.is_decode and not batch.forks and len(step.sample_seqs) == num:
+            tables = batch.block_tables
+            self._pending = (step, np.fromiter(map(len, tables), np.int64, num),
+                             np.fromiter(map(_last, tables), np.int32, num))
+        return step, False
+
+    def sampled(self, seqs: list, tokens: np.ndarray) -> None:
+        """Commit the step just built: every sequence in ``seqs`` (its batch) sampled its token in ``tokens``."""
+        if self._pending is not None:
+            self._step, self._lens, self._lasts = self._pending
+            self._seqs, self._tokens, self._pending = seqs, tokens, None
+
+    def reset(self) -> None:
+        """Forget the last step (the next one rebuilds)."""
+        self._seqs = self._pending = None
+
+    def _advance(self, tables: list[list[int]], positions: np.ndarray) -> StepArrays:
+        last, num = self._step, len(tables)
+        lens = np.fromiter(map(len, tables), np.int64, num)
+        lasts = np.fromiter(map(_last, tables), np.int32, num)
+        block_tables = last.block_tables
+        width = int(lens.max())
+        if width > block_tables.shape[1]:
+            block_tables = np.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
+        else:
+            block_tables = block_tables.copy()  # the last step's stays as it was
+        for i in np.flatnonzero((lens != self._lens) | (lasts != self._lasts)).tolist():
+            row = tables[i]
+            block_tables[i, :len(row)] = row
+        block, offset = np.divmod(positions, self.block_size)
+        slot_mapping = block_tables[np.arange(num), block].astype(np.int64)
+        slot_mapping *= self.block_size
+        slot_mapping += offset
+        step = StepArrays(self._tokens, positions, slot_mapping, block_tables, np.add(positions, 1, dtype=np.int32),
+                          last.cu, last.sample_rows, last.sample_seqs, True)
+        self._pending = (step, lens, lasts)
+        return step
