@@ -424,7 +424,7 @@ class LLMEngine:
         generated, served, failed = self.generated_tokens, self.quotas.served, set()
         for seq in seqs:
             request = seq.request
-            if request.request_id in failed:
+            if failed and request.request_id in failed:
                 continue
             if seq.error is not None:
                 failed.add(request.request_id)

@@ -89,15 +89,16 @@ class ModelRunner:
                 seqs.append(child)
         rows = num + len(batch.forks)
         errors: dict[int, Exception] = {}
-        with torch.inference_mode(), _while_set(self.computing):
-            hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
-            if not sample_seqs:
-                return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
-            if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():
-                picked = hidden  # every row sampled once, in order: the index would copy it unchanged
-            else:
-                picked = hidden[self._tensor(sample_rows)]
-            logits = self.model.logits(picked)
+        with torch.inference_mode():
+            with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
+                hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
+                if not sample_seqs:
+                    return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
+                if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():
+                    picked = hidden  # every row sampled once, in order: the index would copy it unchanged
+                else:
+                    picked = hidden[self._tensor(sample_rows)]
+                logits = self.model.logits(picked)
             if not math.isfinite(logits.sum().item()):  # one reduction; a NaN or inf anywhere shows in the sum
                 logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
             sampling = sampling or _sampling_rows(seqs)
