@@ -111,7 +111,7 @@ class ModelRunner:
             token_array = tokens.cpu().numpy()
             tokens = token_array.tolist()
         if not errors:
-            self._inputs.sampled(batch.seqs, token_array)
+            self._inputs.sampled(token_array)
             self._plans = (lora, sampling)
         if every_seq:  # sample j is row j
             return RunnerOutput(tokens, chosen, tops, errors)

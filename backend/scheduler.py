@@ -51,6 +51,8 @@ class SchedulerOutput:
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout; seq.error: failed)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
+    allocated: list[int] = field(default_factory=list)  # rows of seqs whose block table allocate may have changed
+    num_updates: int = 0  # the scheduler's updates applied before this step (one per step that ran)
 
     @property
     def empty(self) -> bool:
@@ -86,11 +88,13 @@ class Scheduler:
         self._tie = itertools.count()
         self._preempted_now = 0
         self._fork_parents: list[Sequence] = []
+        self.num_updates = 0  # update() calls completed: a runner knows whether the last step's tokens were applied
 
     def carry_counters(self, old: "Scheduler") -> None:
         """Continue the monotonic counters (metrics) of a scheduler this one replaces."""
         self.prefix_query_tokens, self.prefix_hit_tokens = old.prefix_query_tokens, old.prefix_hit_tokens
         self.num_preemptions, self.num_swapped_out = old.num_preemptions, old.num_swapped_out
+        self.num_updates = old.num_updates
 
     # ---- admission and removal -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -191,7 +195,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan one step: expire, run (preempting if needed), then swap in and admit unless that preempted."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(num_updates=self.num_updates)
         self.swap_space.flush()
         if self._deadlines:
             out.finished = self._expire()
@@ -254,6 +258,7 @@ class Scheduler:
             if victim is seq:
                 return budget
         self._emit(out, seq, n)
+        out.allocated.append(len(out.seqs) - 1)
         return budget - n
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
@@ -502,6 +507,7 @@ class Scheduler:
                 seq.error = exc
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        self.num_updates += 1
         return changed
 
     def _advance(self, batch: SchedulerOutput, tokens: list) -> list[tuple[Sequence, int]]:

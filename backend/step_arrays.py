@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, is_, itemgetter
+from operator import is_
 
 import numpy as np
 
@@ -83,19 +83,18 @@ def _padded(tables: list[list[int]]) -> np.ndarray:
 
 
 
-_computed = attrgetter("num_computed_tokens")
-_last = itemgetter(-1)
-
-
 class RepeatedDecode:
     """A decode batch that repeats, kept between steps (vLLM v1's persistent batch).
 
-    While a decode step runs the same sequences in the same order as the last one, and
-    each of them got the token sampled for it, its inputs follow from the last step's in
-    a few vector ops: positions + 1, the sampled tokens as input ids, and only the block
-    table rows whose length or last block changed (a new block, copy-on-write) read
-    again. Any other step rebuilds (``StepArrays.build``) and starts over. The arrays are
-    the same as a rebuild's. ``build`` commits nothing: ``sampled`` does, after sampling.
+    A decode step repeats the last committed one when it runs the same sequences in the
+    same order (identity) and the scheduler applied exactly that step's tokens since
+    (``SchedulerOutput.num_updates``). Then its inputs follow from the last step's in a
+    few vector ops, without touching the sequences: positions + 1, the sampled tokens as
+    input ids, and only the block-table rows the scheduler allocated for
+    (``SchedulerOutput.allocated``: a new block, copy-on-write) read again. Any other
+    step rebuilds (``StepArrays.build``) and starts over. The arrays are the same as a
+    rebuild's. ``sampled`` commits a step after sampling; one built and not sampled (its forward
+    raised) leaves nothing to repeat.
     """
 
     def __init__(self, block_size: int):
@@ -103,54 +102,51 @@ class RepeatedDecode:
         self._seqs: list | None = None  # the last committed decode step's sequences
         self._step: StepArrays | None = None
         self._tokens: np.ndarray | None = None  # what that step sampled, one per sequence
-        self._lens = self._lasts = None  # its block tables' lengths and last blocks
+        self._num_updates = -1  # the scheduler's update count when that step was scheduled
         self._pending: tuple | None = None
 
     def build(self, batch) -> tuple[StepArrays, bool]:
         """The step's arrays, and whether it repeats the last one (then the caller may reuse per-batch plans)."""
         seqs, num = batch.seqs, len(batch.seqs)
-        last, self._pending = self._seqs, None
-        if (last is not None and len(last) == num and not batch.forks and sum(batch.num_new_tokens) == num
-                and all(map(is_, seqs, last))):
-            positions = self._step.positions + 1
-            if np.array_equal(np.fromiter(map(_computed, seqs), np.int64, num), positions):
-                return self._advance(batch.block_tables, positions), True
-        self._seqs = None
-        step = StepArrays.build(batch, self.block_size)
-        if step.is_decode and not batch.forks and len(step.sample_seqs) == num:
-            tables = batch.block_tables
-            self._pending = (step, np.fromiter(map(len, tables), np.int64, num),
-                             np.fromiter(map(_last, tables), np.int32, num))
-        return step, False
+        last, self._seqs, self._pending = self._seqs, None, None  # until sampled: a step built and not run
+        repeats = (last is not None and batch.num_updates == self._num_updates + 1 and len(last) == num
+                   and not batch.forks and sum(batch.num_new_tokens) == num and all(map(is_, seqs, last)))
+        if repeats:
+            step = self._advance(batch)
+        else:
+            step = StepArrays.build(batch, self.block_size)
+            if not step.is_decode or batch.forks or len(step.sample_seqs) != num:
+                return step, False  # the next step cannot repeat this one
+        self._pending = (step, seqs, batch.num_updates)
+        return step, repeats
 
-    def sampled(self, seqs: list, tokens: np.ndarray) -> None:
-        """Commit the step just built: every sequence in ``seqs`` (its batch) sampled its token in ``tokens``."""
+    def sampled(self, tokens: np.ndarray) -> None:
+        """Commit the step just built: each of its sequences sampled its token in ``tokens``."""
         if self._pending is not None:
-            self._step, self._lens, self._lasts = self._pending
-            self._seqs, self._tokens, self._pending = seqs, tokens, None
+            self._step, self._seqs, self._num_updates = self._pending
+            self._tokens, self._pending = tokens, None
 
     def reset(self) -> None:
         """Forget the last step (the next one rebuilds)."""
         self._seqs = self._pending = None
 
-    def _advance(self, tables: list[list[int]], positions: np.ndarray) -> StepArrays:
-        last, num = self._step, len(tables)
-        lens = np.fromiter(map(len, tables), np.int64, num)
-        lasts = np.fromiter(map(_last, tables), np.int32, num)
+    def _advance(self, batch) -> StepArrays:
+        last, tables = self._step, batch.block_tables
+        positions = last.positions + 1
         block_tables = last.block_tables
-        width = int(lens.max())
-        if width > block_tables.shape[1]:
-            block_tables = np.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
-        else:
-            block_tables = block_tables.copy()  # the last step's stays as it was
-        for i in np.flatnonzero((lens != self._lens) | (lasts != self._lasts)).tolist():
-            row = tables[i]
-            block_tables[i, :len(row)] = row
+        if batch.allocated:
+            width = max(block_tables.shape[1], max(len(tables[i]) for i in batch.allocated))
+            if width > block_tables.shape[1]:
+                block_tables = np.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
+            else:
+                block_tables = block_tables.copy()  # the last step's stays as it was
+            for i in batch.allocated:
+                row = tables[i]
+                block_tables[i, :len(row)] = row
+        num = len(positions)
         block, offset = np.divmod(positions, self.block_size)
         slot_mapping = block_tables[np.arange(num), block].astype(np.int64)
         slot_mapping *= self.block_size
         slot_mapping += offset
-        step = StepArrays(self._tokens, positions, slot_mapping, block_tables, np.add(positions, 1, dtype=np.int32),
+        return StepArrays(self._tokens, positions, slot_mapping, block_tables, np.add(positions, 1, dtype=np.int32),
                           last.cu, last.sample_rows, last.sample_seqs, True)
-        self._pending = (step, lens, lasts)
-        return step

@@ -270,3 +270,37 @@ def test_prefix_cache_scope(demo, scope, other_tenant_hit):
     # 57 prompt tokens: the 3 full blocks (48 tokens) can hit; the partial 4th block is computed
     assert sched.prefix_hit_tokens == {"acme": 48, "globex": other_tenant_hit}
     assert_pool_idle(engine)
+
+
+# ---------------------------------------------------------------- repeated decode batches
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_repeated_decode_inputs_equal_a_rebuild_through_preemption_and_forks(demo, mode):
+    """Every step's inputs, repeated or not, equal StepArrays.build's; the streams stay peft's."""
+    import numpy as np
+
+    from loraplex.step_arrays import StepArrays
+
+    engine = make_engine(demo, num_kv_blocks=16, preemption_mode=mode, swap_space_bytes=8 * 32 * 1024)
+    inputs, repeats = engine.runner._inputs, []
+    build = inputs.build
+
+    def checked(batch):
+        step, repeated = build(batch)
+        want = StepArrays.build(batch, engine.config.block_size)
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "cu",
+                     "sample_rows", "sample_seqs"):
+            assert np.array_equal(getattr(step, name), getattr(want, name)), name
+        repeats.append(repeated)
+        return step, repeated
+
+    inputs.build = checked
+    requests = [engine.make_request(f"r{i}", p, greedy(lora_name=ADAPTERS[i])) for i, p in enumerate(PROMPTS)]
+    forked = engine.make_request("n3", "Copy-on-write shares the prompt; n=3 makes three samples", greedy(max_tokens=12, n=3))
+    outputs = run(engine, [*requests, forked])
+    assert engine.scheduler.num_preemptions >= 2 and any(repeats) and not all(repeats)
+    assert_streams(engine, demo, requests, outputs)
+    expected = reference_ignore_eos(str(demo["model"]), None, tuple(forked.prompt_token_ids), 12)
+    assert _by_index(outputs["n3"]) == {0: expected, 1: expected, 2: expected}
+    assert_pool_idle(engine)

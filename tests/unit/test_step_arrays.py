@@ -99,66 +99,79 @@ def test_seeded_rows_draw_from_their_own_generator_among_greedy_rows():
     assert [mixed[0], mixed[1], mixed[3]] == torch.argmax(logits, -1)[[0, 1, 3]].tolist()
 
 
-def decode_batch(seqs, tables, forks=()):
-    return SimpleNamespace(seqs=list(seqs), num_new_tokens=[1] * len(seqs), block_tables=tables, forks=list(forks))
+def decode_batch(seqs, tables, num_updates, allocated=(), forks=()):
+    return SimpleNamespace(seqs=list(seqs), num_new_tokens=[1] * len(seqs), block_tables=tables, forks=list(forks),
+                           num_updates=num_updates, allocated=list(allocated))
 
 
-def run_decode(seqs, tables, inputs, steps, rng, change=lambda step, tables: None, commit=True):
-    """Decode `steps` steps as the scheduler and runner would; each step's arrays equal a rebuild's.
-    commit=False: the steps are built and never sampled (the forward raised)."""
-    repeats = []
-    for step in range(steps):
-        for s, table in zip(seqs, tables):
-            if s.num_computed_tokens // BS >= len(table):
-                table.append(int(rng.integers(100, 999)))  # the scheduler's new block
-        change(step, tables)
-        b = decode_batch(seqs, [list(t) for t in tables])
-        got, repeated = inputs.build(b)
-        want = StepArrays.build(b, BS)
-        for name in DTYPES:
-            assert getattr(got, name).tolist() == getattr(want, name).tolist(), (step, name)
-        repeats.append(repeated)
-        if not commit:
-            continue
-        sampled = rng.integers(3, 300, len(seqs))
-        inputs.sampled(b.seqs, sampled)
-        for s, token in zip(seqs, sampled.tolist()):  # the scheduler's update
-            s.token_ids.append(token)
-            s.num_computed_tokens += 1
-    return repeats
+class Loop:
+    """The scheduler's side of decode steps: new blocks, the update count, tokens applied."""
+
+    def __init__(self, seed):
+        self.rng, self.num_updates = np.random.default_rng(seed), 0
+
+    def run(self, seqs, tables, inputs, steps, change=lambda step, tables: [], commit=True, apply=True):
+        """Decode `steps` steps; each step's arrays equal a rebuild's; returns whether each repeated.
+        change(step, tables) edits tables and returns the rows it changed; commit=False: never sampled
+        (the forward raised); apply=False: sampled, the tokens never applied (update raised)."""
+        repeats = []
+        for step in range(steps):
+            allocated = []
+            for i, (s, table) in enumerate(zip(seqs, tables)):
+                if s.num_computed_tokens // BS >= len(table):
+                    table.append(int(self.rng.integers(100, 999)))  # the scheduler's new block
+                    allocated.append(i)
+            allocated += change(step, tables)
+            b = decode_batch(seqs, [list(t) for t in tables], self.num_updates, allocated)
+            got, repeated = inputs.build(b)
+            want = StepArrays.build(b, BS)
+            for name in DTYPES:
+                assert getattr(got, name).tolist() == getattr(want, name).tolist(), (step, name)
+            repeats.append(repeated)
+            if not commit:
+                continue
+            sampled = self.rng.integers(3, 300, len(seqs))
+            inputs.sampled(sampled)
+            if not apply:
+                continue
+            for s, token in zip(seqs, sampled.tolist()):  # the scheduler's update
+                s.token_ids.append(token)
+                s.num_computed_tokens += 1
+            self.num_updates += 1
+        return repeats
 
 
 def test_repeated_decode_equals_a_rebuild_across_new_blocks_and_copy_on_write():
     from loraplex.step_arrays import RepeatedDecode
 
-    rng = np.random.default_rng(0)
     seqs = [seq(range(10, 10 + n), n - 1) for n in (3, 4, 5, 9)]  # one token each to decode
     tables = [[1], [2], [3, 4], [5, 6, 7]]
 
     def copy_on_write(step, tables):
         if step == 5:
             tables[1][-1] = 777  # its last block copied before the write
+            return [1]
+        return []
 
-    repeats = run_decode(seqs, tables, RepeatedDecode(BS), 12, rng, copy_on_write)
+    repeats = Loop(0).run(seqs, tables, RepeatedDecode(BS), 12, copy_on_write)
     assert repeats == [False] + [True] * 11
 
 
-def test_repeated_decode_rebuilds_when_the_batch_changes_or_a_token_was_not_applied():
+def test_repeated_decode_rebuilds_when_the_batch_changes_or_its_tokens_were_not_applied():
     from loraplex.step_arrays import RepeatedDecode
 
-    rng = np.random.default_rng(1)
-    inputs = RepeatedDecode(BS)
+    loop, inputs = Loop(1), RepeatedDecode(BS)
     seqs = [seq(range(10, 14), 3), seq(range(20, 26), 5)]
     tables = [[1], [2, 3]]
-    assert run_decode(seqs, tables, inputs, 3, rng) == [False, True, True]
-    assert run_decode(seqs[::-1], tables[::-1], inputs, 2, rng) == [False, True]  # reordered
+    assert loop.run(seqs, tables, inputs, 3) == [False, True, True]
+    assert loop.run(seqs[::-1], tables[::-1], inputs, 2) == [False, True]  # reordered
     seqs.append(seq(range(30, 33), 2))
     tables.append([9])
-    assert run_decode(seqs, tables, inputs, 2, rng) == [False, True]  # one more
-    assert run_decode(seqs, tables, inputs, 1, rng, commit=False) == [True]  # built, never sampled:
-    assert run_decode(seqs, tables, inputs, 1, rng) == [True]  # the last commit still holds
-    seqs[0].num_computed_tokens -= 1  # a token not applied (say the step failed after sampling)
-    seqs[0].token_ids.pop()
-    assert run_decode(seqs, tables, inputs, 2, rng) == [False, True]
-    b = decode_batch(seqs[:2], [list(t) for t in tables[:2]], forks=[(0, seqs[2])])
+    assert loop.run(seqs, tables, inputs, 2) == [False, True]  # one more
+    assert loop.run(seqs, tables, inputs, 1, commit=False) == [True]  # built, never sampled:
+    assert loop.run(seqs, tables, inputs, 2) == [False, True]  # rebuilt
+    assert loop.run(seqs, tables, inputs, 1, apply=False) == [True]  # sampled, its tokens never applied:
+    assert loop.run(seqs, tables, inputs, 2) == [False, True]  # rebuilt
+    assert loop.run(seqs[:2], tables[:2], inputs, 1) == [False]
+    b = decode_batch(seqs[:2], [list(t) for t in tables[:2]], loop.num_updates, forks=[(0, seqs[2])])
     assert not inputs.build(b)[1]  # a batch that forks samples is built afresh
