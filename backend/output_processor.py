@@ -54,8 +54,11 @@ class OutputProcessor:
         self._thread: threading.Thread | None = None
         # Set while the loop needs no GIL (in the forward, whose torch ops release it, or idle).
         # Python threads share one GIL: a chunk run while the loop does its own Python would
-        # delay the loop by as much, so chunks wait for quiet (at most MAX_DEFER_SECONDS).
-        self.loop_quiet = threading.Event()
+        # delay the loop by as much, so chunks wait for quiet (at most MAX_DEFER_SECONDS), and
+        # events submitted while the loop works are handed over when it goes quiet: waking the
+        # thread then would make it take the GIL in the middle of the loop's host work.
+        self._held: list = []  # events submitted while the loop was not quiet (the loop thread's)
+        self.loop_quiet = _Quiet(self._hand_over_held)
         self.loop_quiet.set()
 
     # ---- thread ------------------------------------------------------------------------
@@ -71,12 +74,21 @@ class OutputProcessor:
             return
         if self._thread is None:
             self._hand_over(self.process(events))
-        else:
+        elif self.loop_quiet.is_set():
             self._queue.put(events)
+        else:
+            self._held.append(events)
+
+    def _hand_over_held(self) -> None:
+        """The loop went quiet: the thread may take what it submitted meanwhile."""
+        if self._held:
+            held, self._held = self._held, []
+            self._queue.put([event for events in held for event in events])
 
     def stop(self, timeout: float = 5.0) -> None:
         """Process what was submitted, then stop the thread."""
         if self._thread is not None:
+            self._hand_over_held()
             self._queue.put(None)
             self._thread.join(timeout)
             self._thread = None
@@ -179,3 +191,15 @@ class OutputProcessor:
             logprobs=logprobs if params.logprobs is not None else None,
             num_input_tokens=seq.num_prompt_tokens,
         )
+
+
+class _Quiet(threading.Event):
+    """The loop's quiet flag; setting it also hands over the events it held meanwhile."""
+
+    def __init__(self, on_set: Callable[[], None]):
+        super().__init__()
+        self._on_set = on_set
+
+    def set(self) -> None:
+        super().set()
+        self._on_set()
