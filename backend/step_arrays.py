@@ -81,8 +81,6 @@ def _padded(tables: list[list[int]]) -> np.ndarray:
     return block_tables
 
 
-
-
 class RepeatedDecode:
     """A decode batch that repeats, kept between steps (vLLM v1's persistent batch).
 
@@ -93,8 +91,8 @@ class RepeatedDecode:
     input ids, and only the block-table rows the scheduler allocated for
     (``SchedulerOutput.allocated``: a new block, copy-on-write) read again. Any other
     step rebuilds (``StepArrays.build``) and starts over. The arrays are the same as a
-    rebuild's. ``sampled`` commits a step after sampling; one built and not sampled (its forward
-    raised) leaves nothing to repeat.
+    rebuild's. ``sampled`` commits a step after sampling; one built and not sampled (its
+    forward raised) leaves nothing to repeat.
     """
 
     def __init__(self, block_size: int):
@@ -125,10 +123,6 @@ class RepeatedDecode:
         if self._pending is not None:
             self._step, self._seqs, self._num_updates = self._pending
             self._tokens, self._pending = tokens, None
-
-    def reset(self) -> None:
-        """Forget the last step (the next one rebuilds)."""
-        self._seqs = self._pending = None
 
     def _advance(self, batch) -> StepArrays:
         last, tables = self._step, batch.block_tables
