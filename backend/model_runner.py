@@ -47,8 +47,7 @@ class ModelRunner:
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
-        self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs by a few vector ops
-        self._plans: tuple = ()  # that batch's LoRA plan and sampling rows, reused while it repeats
+        self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs and plans kept
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
         self.computing: threading.Event | None = None
 
@@ -61,7 +60,7 @@ class ModelRunner:
             self.copy_blocks(batch)
         if not batch.seqs:
             return RunnerOutput([], [], [])
-        step, repeated = self._inputs.build(batch)
+        step, plans = self._inputs.build(batch)
         attn = AttentionBatch(
             positions=self._tensor(step.positions),
             slot_mapping=self._tensor(step.slot_mapping),
@@ -73,10 +72,7 @@ class ModelRunner:
         if not step.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
             kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
                                           step.context_lens.tolist())
-        if repeated:
-            lora, sampling = self._plans
-        else:
-            lora, sampling = self._lora_batch(batch, step.cu, step.is_decode), None
+        lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode), None)
         num = len(batch.seqs)
         sample_seqs = step.sample_seqs.tolist()
         every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
@@ -111,18 +107,15 @@ class ModelRunner:
             token_array = tokens.cpu().numpy()
             tokens = token_array.tolist()
         if not errors:
-            self._inputs.sampled(token_array)
-            self._plans = (lora, sampling)
+            self._inputs.sampled(token_array, (lora, sampling))
         if every_seq:  # sample j is row j
             return RunnerOutput(tokens, chosen, tops, errors)
-        if chosen is None:
-            out = RunnerOutput([None] * rows, None, None, errors)
-            for j, i in enumerate(sample_seqs):
-                out.token_ids[i] = tokens[j]
-            return out
-        out = RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
+        wanted = chosen is not None
+        out = RunnerOutput([None] * rows, [None] * rows if wanted else None, [None] * rows if wanted else None, errors)
         for j, i in enumerate(sample_seqs):
-            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = tokens[j], chosen[j], tops[j]
+            out.token_ids[i] = tokens[j]
+            if wanted:
+                out.logprobs[i], out.top_logprobs[i] = chosen[j], tops[j]
         return out
 
     def copy_blocks(self, batch) -> None:

@@ -91,8 +91,9 @@ class RepeatedDecode:
     input ids, and only the block-table rows the scheduler allocated for
     (``SchedulerOutput.allocated``: a new block, copy-on-write) read again. Any other
     step rebuilds (``StepArrays.build``) and starts over. The arrays are the same as a
-    rebuild's. ``sampled`` commits a step after sampling; one built and not sampled (its
-    forward raised) leaves nothing to repeat.
+    rebuild's. ``sampled`` commits a step after sampling, with the caller's plans for it
+    (the runner's LoRA plan and sampling rows), which ``build`` hands back while the batch
+    repeats; a step built and not sampled (its forward raised) leaves nothing to repeat.
     """
 
     def __init__(self, block_size: int):
@@ -100,11 +101,12 @@ class RepeatedDecode:
         self._seqs: list | None = None  # the last committed decode step's sequences
         self._step: StepArrays | None = None
         self._tokens: np.ndarray | None = None  # what that step sampled, one per sequence
+        self._plans = None  # the caller's plans for that batch
         self._num_updates = -1  # the scheduler's update count when that step was scheduled
         self._pending: tuple | None = None
 
-    def build(self, batch) -> tuple[StepArrays, bool]:
-        """The step's arrays, and whether it repeats the last one (then the caller may reuse per-batch plans)."""
+    def build(self, batch) -> tuple[StepArrays, object]:
+        """The step's arrays, and the plans committed with the last step when this one repeats it (else None)."""
         seqs, num = batch.seqs, len(batch.seqs)
         last, self._seqs, self._pending = self._seqs, None, None  # until sampled: a step built and not run
         repeats = (last is not None and batch.num_updates == self._num_updates + 1 and len(last) == num
@@ -114,15 +116,16 @@ class RepeatedDecode:
         else:
             step = StepArrays.build(batch, self.block_size)
             if not step.is_decode or batch.forks or len(step.sample_seqs) != num:
-                return step, False  # the next step cannot repeat this one
+                return step, None  # the next step cannot repeat this one
         self._pending = (step, seqs, batch.num_updates)
-        return step, repeats
+        return step, self._plans if repeats else None
 
-    def sampled(self, tokens: np.ndarray) -> None:
-        """Commit the step just built: each of its sequences sampled its token in ``tokens``."""
+    def sampled(self, tokens: np.ndarray, plans) -> None:
+        """Commit the step just built: each of its sequences sampled its token in ``tokens``; plans: the
+        caller's for this batch, handed back by ``build`` while it repeats."""
         if self._pending is not None:
             self._step, self._seqs, self._num_updates = self._pending
-            self._tokens, self._pending = tokens, None
+            self._tokens, self._plans, self._pending = tokens, plans, None
 
     def _advance(self, batch) -> StepArrays:
         last, tables = self._step, batch.block_tables

@@ -287,17 +287,18 @@ def test_repeated_decode_inputs_equal_a_rebuild_through_preemption_and_forks(dem
     build = inputs.build
 
     def checked(batch):
-        step, repeated = build(batch)
+        step, plans = build(batch)
         want = StepArrays.build(batch, engine.config.block_size)
         for name in ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "cu",
                      "sample_rows", "sample_seqs"):
             assert np.array_equal(getattr(step, name), getattr(want, name)), name
-        repeats.append(repeated)
-        return step, repeated
+        repeats.append(plans is not None)
+        return step, plans
 
     inputs.build = checked
     requests = [engine.make_request(f"r{i}", p, greedy(lora_name=ADAPTERS[i])) for i, p in enumerate(PROMPTS)]
-    forked = engine.make_request("n3", "Copy-on-write shares the prompt; n=3 makes three samples", greedy(max_tokens=12, n=3))
+    prompt = "Copy-on-write shares the prompt; n=3 makes three samples"
+    forked = engine.make_request("n3", prompt, greedy(max_tokens=12, n=3))
     outputs = run(engine, [*requests, forked])
     assert engine.scheduler.num_preemptions >= 2 and any(repeats) and not all(repeats)
     assert_streams(engine, demo, requests, outputs)

@@ -123,7 +123,8 @@ class Loop:
                     allocated.append(i)
             allocated += change(step, tables)
             b = decode_batch(seqs, [list(t) for t in tables], self.num_updates, allocated)
-            got, repeated = inputs.build(b)
+            got, plans = inputs.build(b)
+            repeated = plans is not None
             want = StepArrays.build(b, BS)
             for name in DTYPES:
                 assert getattr(got, name).tolist() == getattr(want, name).tolist(), (step, name)
@@ -131,7 +132,7 @@ class Loop:
             if not commit:
                 continue
             sampled = self.rng.integers(3, 300, len(seqs))
-            inputs.sampled(sampled)
+            inputs.sampled(sampled, ("lora plan", "sampling rows"))
             if not apply:
                 continue
             for s, token in zip(seqs, sampled.tolist()):  # the scheduler's update
