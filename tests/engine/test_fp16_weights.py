@@ -49,12 +49,16 @@ def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch):
         adapter = family.adapters[name] if name else None
         moved = max(moved, float((ref.first_logits(family.model_dir, adapter, ids) - want).abs().max()))
     assert moved > 10 * LOGIT_ATOL  # the rounding is visible: the oracle is not the fp32 model
-    for prompt, name in LOGIT_BATCHES[0]:
+    batch = LOGIT_BATCHES[0]  # decoded together: the fused q/k/v and gate/up outputs take each row's adapter
+    requests = [engine.make_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                  lora_name=name))
+                for i, (prompt, name) in enumerate(batch)]
+    outs = engine.generate(requests)
+    for i, (prompt, name) in enumerate(batch):
         ids = engine.tokenizer(prompt).input_ids
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, lora_name=name)
-        out = engine.generate([engine.make_request("r", prompt, params)])["r"]
         adapter = family.adapters[name] if name else None
-        assert [t for o in out for t in o.token_ids] == ref.greedy_tokens(oracle.model_dir, adapter, ids, 8, True)
+        got = [t for o in outs[f"r{i}"] for t in o.token_ids]
+        assert got == ref.greedy_tokens(oracle.model_dir, adapter, ids, 8, True), (name, prompt)
 
 
 def test_fp16_weights_are_a_cpu_fp32_option(lora_family):
