@@ -183,31 +183,16 @@ class LlamaModel:
             _add_lora(y, x, lora, layer_idx, module)
         return y
 
-    def _fused(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        """FUSED[fused]'s modules' outputs side by side for input x (packed weights): one GEMM, LoRA per part."""
-        y = fp16_linear(x, self.packed[layer_idx][fused])
+    def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraBatch | None) -> list[torch.Tensor]:
+        """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
+        modules = FUSED[fused]
+        if self.packed is None:
+            return [self._proj(layer_idx, m, x, lora) for m in modules]
+        ys = fp16_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         if lora is not None:
-            for part, m in zip(y.split(self.fused_sizes[fused], dim=1), FUSED[fused]):
-                _add_lora(part, x, lora, layer_idx, m)
-        return y
-
-    def _qkv(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor, lora: LoraBatch | None):
-        """q and k rotated, and v: [T, heads, head_dim] each."""
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        if self.packed is None:
-            q, k, v = (self._proj(layer_idx, m, x, lora) for m in FUSED["qkv"])
-            return (self.rope.apply(q.view(t, hq, d), positions), self.rope.apply(k.view(t, hkv, d), positions),
-                    v.view(t, hkv, d))
-        q, k, v = self._fused(layer_idx, "qkv", x, lora).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-        return self.rope.apply(q, positions), self.rope.apply(k, positions), v
-
-    def _mlp(self, layer_idx: int, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
-        if self.packed is None:
-            gate, up = (self._proj(layer_idx, m, x, lora) for m in FUSED["gate_up"])
-        else:
-            gate, up = self._fused(layer_idx, "gate_up", x, lora).split(self.fused_sizes["gate_up"], dim=1)
-        return self._proj(layer_idx, "down_proj", F.silu(gate) * up, lora)
+            for y, m in zip(ys, modules):
+                _add_lora(y, x, lora, layer_idx, m)
+        return ys
 
     def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraBatch | None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache."""
@@ -215,7 +200,10 @@ class LlamaModel:
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["input_norm"], self.eps)
-            q, k, v = self._qkv(i, x, attn.positions, lora)
+            q, k, v = self._projs(i, "qkv", x, lora)
+            q = self.rope.apply(q.view(t, self.num_heads, self.head_dim), attn.positions)
+            k = self.rope.apply(k.view(t, self.num_kv_heads, self.head_dim), attn.positions)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
             if attn.is_decode:
@@ -226,7 +214,8 @@ class LlamaModel:
                 )
             h = h + self._proj(i, "o_proj", o.reshape(t, -1), lora)
             x = rms_norm(h, layer["post_norm"], self.eps)
-            h = h + self._mlp(i, x, lora)
+            gate, up = self._projs(i, "gate_up", x, lora)
+            h = h + self._proj(i, "down_proj", F.silu(gate) * up, lora)
         return rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
