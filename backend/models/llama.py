@@ -149,10 +149,10 @@ class LlamaModel:
         self.lm_head = self.embed if tied else self.lm_head.half().float()
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
+        self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
         for layer in self.layers:
             packed = {m: pack_fp16(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
             for name, parts in FUSED.items():
-                self.fused_sizes[name] = [layer[m].shape[0] for m in parts]
                 packed[name] = pack_fp16(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
@@ -183,11 +183,11 @@ class LlamaModel:
             _add_lora(y, x, lora, layer_idx, module)
         return y
 
-    def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraBatch | None) -> list[torch.Tensor]:
+    def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraBatch | None) -> tuple[torch.Tensor, ...]:
         """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
         modules = FUSED[fused]
         if self.packed is None:
-            return [self._proj(layer_idx, m, x, lora) for m in modules]
+            return tuple(self._proj(layer_idx, m, x, lora) for m in modules)
         ys = fp16_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         if lora is not None:
             for y, m in zip(ys, modules):
