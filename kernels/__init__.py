@@ -1,7 +1,8 @@
 """Loraplex kernels: each call goes to its .cu kernel or its torch path (``dispatch``).
 
-CUDA tensors run the kernels through CuPy; CPU tensors run the torch reference, or the
-kernels on the CPU shim under ``LORAPLEX_KERNELS=shim``. An op whose kernel cannot serve
+CUDA tensors run the kernels through CuPy; fp32 CPU tensors run the native C ops
+(``cpu_native``) where they serve the call, else the torch reference; or the kernels on the
+CPU shim under ``LORAPLEX_KERNELS=shim``. An op whose kernel cannot serve
 the model's shapes takes the torch path (``preconditions``; ``check_model`` logs it at
 start-up). The backend calls only the functions exported here. CuPy is imported only when
 a CUDA tensor arrives, so CPU-only users never need it.
@@ -33,6 +34,21 @@ def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
     return run("lora_expand_sgmv", y, v, b_stack, seg_starts, seg_slots, ranks, scales)
 
 
+def add_rms_norm(x, delta, weight, eps):
+    """x += delta in place (when given: the residual add), then RMSNorm(x) * weight as a new tensor."""
+    return run("add_rms_norm", x, delta, weight, eps)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up."""
+    return run("silu_mul", gate, up)
+
+
+def rotate_qk(q, k, positions, cos, signed_sin):
+    """(q, k) rotated by positions through RoPE tables [max_len, D]; may rotate the inputs in place."""
+    return run("rotate_qk", q, k, positions, cos, signed_sin)
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset); slot < 0 skips."""
     return run("write_kv", k_cache, v_cache, k, v, slot_mapping)
@@ -54,6 +70,7 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, co
 
 
 __all__ = [
+    "add_rms_norm",
     "check_model",
     "copy_blocks",
     "lora_expand_bgmv",
@@ -63,6 +80,8 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "remember_host_lengths",
+    "rotate_qk",
+    "silu_mul",
     "uses_kernels",
     "write_kv",
 ]

@@ -1,9 +1,11 @@
 """Route each kernel call: its .cu kernel (CuPy on CUDA, the CPU shim when asked) or the torch path.
 
 ``LORAPLEX_KERNELS`` is read once, at import: ``auto`` (default) runs the kernels on CUDA
-tensors and the torch reference on CPU tensors; ``shim`` also runs CPU tensors through the
-kernels, compiled for the CPU shim (slow; for tests). A call whose shapes a kernel cannot
-serve (``preconditions``) takes the torch path: SDPA for prefill on CUDA, else the reference.
+tensors and, on CPU tensors, the native C ops (``cpu_native``) where they serve the call, else
+the torch reference; ``reference`` keeps CPU tensors on the torch reference; ``shim`` runs CPU
+tensors through the .cu kernels, compiled for the CPU shim (slow; for tests), and the layer ops
+that have no .cu kernel through the reference. A call whose shapes a kernel cannot serve
+(``preconditions``) takes the torch path: SDPA for prefill on CUDA, else the reference.
 The decision is made per call from the call's own shapes (cached), so models in one process
 never share state; ``check_model`` logs it once per model at start-up.
 """
@@ -17,14 +19,14 @@ import os
 
 import torch
 
-from . import preconditions, reference
+from . import cpu_native, preconditions, reference
 from .preconditions import DECODE, OPS, PREFILL, KernelShapes
 from .prefill_sdpa import paged_attention_prefill_sdpa
 from .runners import runner_for
 
 log = logging.getLogger("loraplex.kernels")
 ENV = "LORAPLEX_KERNELS"
-MODES = ("auto", "shim")
+MODES = ("auto", "reference", "shim")
 OP_OF = {
     "lora_shrink_bgmv": "lora", "lora_expand_bgmv": "lora", "lora_shrink_sgmv": "lora", "lora_expand_sgmv": "lora",
     "write_kv": "write_kv", "copy_blocks": "copy_blocks", DECODE: DECODE, PREFILL: PREFILL,
@@ -88,10 +90,18 @@ def launcher(name: str):
     return getattr(module, name)
 
 
+def native_serves(name: str, args: tuple) -> bool:
+    """Whether the native CPU op name serves this call (mode auto, the library built, its dtypes and layouts)."""
+    return MODE == "auto" and name in cpu_native.OPS and cpu_native.library() is not None and cpu_native.serves(name, args)
+
+
 def run(name: str, *args):
-    """Run the exported op name on args: its kernel where one serves them, else the torch path."""
-    first, op = args[0], OP_OF[name]
-    if not uses_kernels(first.device) or preconditions.reason(op, call_shapes(op, args)):
+    """Run the exported op name on args: its kernel where one serves them, else the native CPU op where one
+    serves them, else the torch path."""
+    first, op = args[0], OP_OF.get(name)
+    if not uses_kernels(first.device):
+        return (getattr(cpu_native, name) if native_serves(name, args) else torch_path(name, first))(*args)
+    if op is None or preconditions.reason(op, call_shapes(op, args)):
         return torch_path(name, first)(*args)
     options = {"runner": runner_for(first)}
     if op == PREFILL and not first.is_cuda:
@@ -111,6 +121,8 @@ def kernel_ops(device: torch.device) -> tuple[str, ...]:
 def check_model(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, device) -> dict[str, str]:
     """At model start: the ops whose kernel cannot serve the model on device -> why; one warning each."""
     device = torch.device(device)
+    if device.type == "cpu" and dtype == torch.float32 and MODE == "auto":
+        cpu_native.library()  # built (or its absence logged) at start-up, not in the first step
     shapes = KernelShapes(dtype, head_dim, num_heads, num_kv_heads, capability(device))
     fallbacks = {op: why for op, why in preconditions.decisions(shapes, kernel_ops(device)).items() if why}
     for why in fallbacks.values():

@@ -164,6 +164,38 @@ def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
 
 
 # ---------------------------------------------------------------------------------------------
+# Layer ops without a .cu kernel (CUDA takes these; fp32 CPU tensors take cpu_native's)
+# ---------------------------------------------------------------------------------------------
+
+_ROPE_ROWS = PerStepMemo()
+
+
+def add_rms_norm(x, delta, weight, eps):
+    """x += delta in place (when given: the residual add), then RMSNorm(x) * weight in fp32, as HF computes it."""
+    if delta is not None:
+        x.add_(delta)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # the same values in fewer ops
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up (LLaMA's MLP activation)."""
+    return F.silu(gate) * up
+
+
+def rotate_qk(q, k, positions, cos, signed_sin):
+    """q [T, Hq, D] and k [T, Hkv, D] rotated by positions [T] through tables [max_len, D]: HF's
+    x * cos + rotate_half(x) * sin, as x * cos + roll(x, D/2) * signed_sin (new tensors; the native op
+    rotates in place). The table rows are gathered once per step's positions tensor."""
+    c, s = _ROPE_ROWS.get(positions, (cos.data_ptr(),), lambda: (cos[positions][:, None], signed_sin[positions][:, None]))
+    half = q.shape[-1] // 2
+    return q * c + q.roll(half, -1) * s, k * c + k.roll(half, -1) * s
+
+
+# ---------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------
 

@@ -46,15 +46,6 @@ class LoraBatch:
     tiles: SlotTiles | None = None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as HF does (fp32: torch's rms_norm, the same values in fewer ops)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int, module: str) -> None:
     """y += each token's adapter delta for module, in place."""
     s = lora.slots
@@ -195,15 +186,19 @@ class LlamaModel:
         return ys
 
     def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraBatch | None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache."""
+        """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache.
+
+        Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
+        """
         h = self.embed[input_ids]
-        t = h.shape[0]
+        t, delta = h.shape[0], None
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer["input_norm"], self.eps)
+            x = kernels.add_rms_norm(h, delta, layer["input_norm"], self.eps)
             q, k, v = self._projs(i, "qkv", x, lora)
-            q = self.rope.apply(q.view(t, self.num_heads, self.head_dim), attn.positions)
-            k = self.rope.apply(k.view(t, self.num_kv_heads, self.head_dim), attn.positions)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
+            q, k = kernels.rotate_qk(q, k, attn.positions, self.rope.cos, self.rope.signed_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
             if attn.is_decode:
@@ -212,11 +207,10 @@ class LlamaModel:
                 o = kernels.paged_attention_prefill(
                     q, k_cache, v_cache, attn.block_tables, attn.cu_query_lens, attn.context_lens, self.scale
                 )
-            h = h + self._proj(i, "o_proj", o.reshape(t, -1), lora)
-            x = rms_norm(h, layer["post_norm"], self.eps)
+            x = kernels.add_rms_norm(h, self._proj(i, "o_proj", o.reshape(t, -1), lora), layer["post_norm"], self.eps)
             gate, up = self._projs(i, "gate_up", x, lora)
-            h = h + self._proj(i, "down_proj", F.silu(gate) * up, lora)
-        return rms_norm(h, self.norm, self.eps)
+            delta = self._proj(i, "down_proj", kernels.silu_mul(gate, up), lora)
+        return kernels.add_rms_norm(h, delta, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in fp32."""

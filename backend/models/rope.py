@@ -6,8 +6,6 @@ import math
 
 import torch
 
-from ..kernels.reference import PerStepMemo
-
 
 def _rope_settings(config) -> tuple[float, dict]:
     params = getattr(config, "rope_parameters", None) or {}
@@ -38,7 +36,7 @@ def inv_frequencies(config, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables applied to q and k at given positions."""
+    """Precomputed cos and signed sin tables [max_len, head_dim], which kernels.rotate_qk applies to q and k."""
 
     def __init__(self, config, head_dim: int, max_len: int, device, dtype):
         inv = inv_frequencies(config, head_dim).to(device)
@@ -48,14 +46,3 @@ class RotaryEmbedding:
         half = head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * sin with its first half negated: one op for the rotation
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self._rows = PerStepMemo()  # q and k of every layer rotate by the same step's positions
-
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows of positions [T, 1, D], gathered once per step's positions tensor."""
-        return self._rows.get(positions, (), lambda: (self.cos[positions][:, None, :],
-                                                     self.signed_sin[positions][:, None, :]))
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by positions [T]: HF's x * cos + rotate_half(x) * sin, the same values."""
-        cos, signed_sin = self._tables(positions)
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

@@ -155,5 +155,5 @@ def test_mode_from_the_environment(monkeypatch, value, mode):
 
 def test_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "gpu")
-    with pytest.raises(ValueError, match="LORAPLEX_KERNELS='gpu' is not one of auto, shim"):
+    with pytest.raises(ValueError, match="LORAPLEX_KERNELS='gpu' is not one of auto, reference, shim"):
         dispatch.read_mode()

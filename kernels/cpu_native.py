@@ -1,0 +1,177 @@
+"""The native CPU ops (`cpu_native.c`): built once per machine with the C compiler, called through ctypes.
+
+They serve fp32 CPU tensors where torch would take several small ops a call: the residual
+add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
+attention straight from the block table (no gathered copies). `dispatch` routes a call here
+when ``serves`` says so and the library is built; else the torch reference runs. Without a C
+compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and every call
+takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .cpu_runner import cache_dir
+
+log = logging.getLogger("loraplex.kernels")
+SOURCE = Path(__file__).with_name("cpu_native.c")
+# -ffp-contract=off: no fused multiply-adds, so the elementwise ops round as torch's do (RoPE: the same values);
+# -fopenmp: the loops marked `omp simd` vectorize (reductions in lanes) without -ffast-math, and the decode
+# attention's parallel loop runs on torch's own OpenMP threads (libgomp.so.1, which torch has already loaded).
+C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+OPS = ("add_rms_norm", "silu_mul", "rotate_qk", "write_kv", "paged_attention_decode")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # C entry point -> (argument types, return type)
+    "lp_add_rms_norm": ([_P, _I, _P, _I, _P, _P, _I, _I, _I, _F], None),
+    "lp_silu_mul": ([_P, _I, _P, _I, _P, _I, _I, _I], None),
+    "lp_rotate_qk": ([_P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
+    "lp_write_kv": ([_P, _P, _P, _I, _P, _I, _P, _I, _I, _I], ctypes.c_int),
+    "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+    "lp_max_head_dim": ([], ctypes.c_int),
+}
+
+
+def _machine() -> str:
+    """What -march=native compiles for: the CPU's model and flags (the cache key must change with them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+
+
+def build() -> Path:
+    """The library for this machine (built once into the kernel cache, keyed by compiler, flags, source and CPU)."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH; set CC)")
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([cc, *C_FLAGS, source, _machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *C_FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed for {SOURCE.name}:\n{proc.stderr[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (logged once) when it cannot be built here."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU ops unavailable, using the torch path: %s", exc)
+        return None
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def _f32(*tensors) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
+def _heads(x: torch.Tensor) -> bool:
+    """[T, H, D] with each row's heads side by side: rows may be strided (views of a fused output)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+
+
+def serves(name: str, args: tuple) -> bool:
+    """Whether the native op serves this call (dtypes and layouts it was written for)."""
+    if name == "add_rms_norm":
+        x, delta, weight, _eps = args
+        return x.dim() == 2 and _f32(x, weight) and weight.is_contiguous() and (
+            delta is None or (delta.shape == x.shape and _f32(delta)))
+    if name == "silu_mul":
+        gate, up = args
+        return gate.dim() == 2 and gate.shape == up.shape and _f32(gate, up)
+    if name == "rotate_qk":
+        q, k, positions, cos, signed_sin = args
+        return (_f32(q, k) and _heads(q) and _heads(k) and _dense(positions, torch.int64) and _dense(cos, torch.float32)
+                and _dense(signed_sin, torch.float32) and q.shape[2] <= library().lp_max_head_dim())
+    if name == "write_kv":
+        k_cache, v_cache, k, v, slot_mapping = args
+        return (_dense(k_cache, torch.float32) and _dense(v_cache, torch.float32) and _f32(k, v) and _heads(k)
+                and _heads(v) and _dense(slot_mapping, torch.int64))
+    if name == "paged_attention_decode":
+        q, k_cache, v_cache, block_tables, context_lens, _scale = args
+        return (_f32(q) and _heads(q) and _dense(k_cache, torch.float32) and _dense(v_cache, torch.float32)
+                and _dense(block_tables, torch.int32) and _dense(context_lens, torch.int32)
+                and q.shape[1] % k_cache.shape[2] == 0)
+    return False
+
+
+def add_rms_norm(x, delta, weight, eps):
+    """x += delta in place (when given), then RMSNorm(x) * weight as a new tensor."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    d_ptr, d_stride = (None, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
+    library().lp_add_rms_norm(x.data_ptr(), x.stride(0), d_ptr, d_stride, weight.data_ptr(), out.data_ptr(), n, rows,
+                              n, eps)
+    return out
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up as a new contiguous tensor."""
+    rows, n = gate.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    library().lp_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), n, rows, n)
+    return out
+
+
+def rotate_qk(q, k, positions, cos, signed_sin):
+    """q and k rotated in place; returns them."""
+    rows, hq, d = q.shape
+    rc = library().lp_rotate_qk(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], d,
+                                positions.data_ptr(), rows, cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0])
+    if rc:
+        raise IndexError(f"rotate_qk: a position is outside the rotary tables ({cos.shape[0]} positions)")
+    return q, k
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """k, v [T, Hkv, D] into the caches' flat slots; a negative slot is skipped."""
+    row = k.shape[1] * k.shape[2]
+    cache_rows = k_cache.shape[0] * k_cache.shape[1]
+    rc = library().lp_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
+                               v.stride(0), slot_mapping.data_ptr(), k.shape[0], row, cache_rows)
+    if rc:
+        raise IndexError(f"write_kv: a slot is past the cache's {cache_rows} rows")
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One query per sequence [B, Hq, D] over its cached context, read through its block table -> [B, Hq, D]."""
+    num_seqs, hq, d = q.shape
+    out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    rc = library().lp_paged_decode(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
+                                   hq, hkv, d, block_size, num_blocks, scale)
+    if rc == -1:
+        raise IndexError("paged_attention_decode: a context passes its block table or the cache's blocks")
+    if rc:
+        raise MemoryError("paged_attention_decode: no memory for the scores")
+    return out

@@ -1,0 +1,150 @@
+"""The native CPU ops (cpu_native.c) against the torch reference, and how dispatch routes to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loraplex.kernels as kernels
+from kernel_cases import assert_close, paged_cache, randn
+from loraplex.kernels import cpu_native, dispatch, reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if cpu_native.library() is None:
+        pytest.fail("the native CPU ops did not build (a C compiler is part of the test environment)")
+
+
+def test_add_rms_norm_adds_in_place_and_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    fused = randn(5, 3 * 96, dtype=torch.float32, gen=gen) * 3
+    x, delta = fused[:, :96], fused[:, 96:192]  # strided rows, as views of a fused projection's output
+    weight = randn(96, dtype=torch.float32, gen=gen)
+    x_ref = x.clone()
+    want = reference.add_rms_norm(x_ref, delta.clone(), weight, 1e-6)
+    got = cpu_native.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(x, x_ref)  # the residual add, in place, rounds as torch's add
+    assert_close(got, want, torch.float32)
+    assert_close(cpu_native.add_rms_norm(x, None, weight, 1e-6), reference.add_rms_norm(x, None, weight, 1e-6),
+                 torch.float32)
+
+
+def test_silu_mul_matches_torch_over_the_whole_range():
+    gate = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0])])
+    gate = torch.stack([gate, gate.flip(0)])
+    up = torch.linspace(-3, 3, gate.shape[1]).expand(2, -1).contiguous()
+    got = cpu_native.silu_mul(gate, up)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=4e-7, atol=1e-30)
+
+
+def test_silu_mul_propagates_nan():
+    got = cpu_native.silu_mul(torch.tensor([[float("nan"), 1.0]]), torch.ones(1, 2))
+    assert got[0, 0].isnan() and got[0, 1] == F.silu(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotate_qk_in_place_gives_the_reference_values(head_dim):
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, t = 9, 3, 7
+    fused = randn(t, (hq + 2 * hkv) * head_dim, dtype=torch.float32, gen=gen)
+    q, k, _ = fused.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=1)
+    q, k = q.view(t, hq, head_dim), k.view(t, hkv, head_dim)
+    angles = torch.outer(torch.arange(50.0), torch.rand(head_dim // 2, generator=gen))
+    cos = torch.cat([angles.cos(), angles.cos()], dim=1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=1)
+    positions = torch.tensor([0, 3, 49, 7, 7, 20, 1])
+    want_q, want_k = reference.rotate_qk(q.clone(), k.clone(), positions, cos, signed_sin)
+    got_q, got_k = cpu_native.rotate_qk(q, k, positions, cos, signed_sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # no FMA contraction: torch's rounding
+
+
+def test_rotate_qk_rejects_a_position_outside_the_tables():
+    q, k = torch.ones(2, 2, 8), torch.ones(2, 1, 8)
+    cos = signed_sin = torch.ones(4, 8)
+    with pytest.raises(IndexError, match="outside the rotary tables"):
+        cpu_native.rotate_qk(q, k, torch.tensor([1, 4]), cos, signed_sin)
+    assert torch.equal(q, torch.ones(2, 2, 8))  # nothing rotated
+
+
+def test_write_kv_skips_negative_slots_and_rejects_slots_past_the_cache():
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    kv = randn(4, 2 * 2 * 8, dtype=torch.float32, gen=gen)
+    k, v = (part.view(4, 2, 8) for part in kv.split(16, dim=1))
+    slots = torch.tensor([5, -1, 0, 11])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(want_k, want_v, k, v, slots)
+    cpu_native.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(IndexError, match="past the cache"):
+        cpu_native.write_kv(k_cache, v_cache, k, v, torch.tensor([0, 1, 2, 12]))
+    assert torch.equal(k_cache, want_k)  # nothing written
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_matches_reference_and_reads_only_the_context(group, threads):
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 15, 16, 17, 0, 90, 5]
+    cache = paged_cache(lens, 2, 64, 16, torch.float32, gen)  # NaN everywhere outside the contexts
+    q = randn(len(lens), 2 * group, 64, dtype=torch.float32, gen=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.paged_attention_decode(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert not got.isnan().any()
+    assert torch.equal(got[4], torch.zeros_like(got[4]))  # an empty context sees nothing
+    assert_close(got, reference.paged_attention_decode(*args), torch.float32)
+
+
+def test_paged_decode_takes_strided_queries():
+    gen = torch.Generator().manual_seed(4)
+    cache = paged_cache([9, 33], 1, 64, 8, torch.float32, gen)
+    fused = randn(2, 4 * 64 + 10, dtype=torch.float32, gen=gen)
+    q = fused[:, :256].view(2, 4, 64)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    assert_close(cpu_native.paged_attention_decode(*args), reference.paged_attention_decode(*args), torch.float32)
+
+
+def test_paged_decode_rejects_a_block_outside_the_cache():
+    cache = paged_cache([5], 1, 64, 4, torch.float32, torch.Generator().manual_seed(5))
+    tables = cache.block_tables.clone()
+    tables[0, 1] = cache.k_cache.shape[0]
+    with pytest.raises(IndexError, match="block table"):
+        cpu_native.paged_attention_decode(torch.ones(1, 1, 64), cache.k_cache, cache.v_cache, tables,
+                                          cache.context_lens, 1.0)
+
+
+def test_dispatch_routes_fp32_cpu_calls_native_and_others_to_the_reference(monkeypatch):
+    calls = []
+    native = cpu_native.silu_mul
+    monkeypatch.setattr(cpu_native, "silu_mul", lambda *a: calls.append(a) or native(*a))
+    gate = torch.randn(2, 8)
+    kernels.silu_mul(gate, gate)
+    assert len(calls) == 1
+    kernels.silu_mul(gate.half(), gate.half())  # fp16: not served natively
+    kernels.silu_mul(gate.t(), gate.t())  # columns not contiguous
+    assert len(calls) == 1
+    monkeypatch.setattr(dispatch, "MODE", "reference")
+    kernels.silu_mul(gate, gate)
+    assert len(calls) == 1
+
+
+def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    cpu_native.library.cache_clear()
+    try:
+        assert cpu_native.library() is None
+        assert "native CPU ops unavailable" in caplog.text
+        gate = torch.randn(2, 8)
+        torch.testing.assert_close(kernels.silu_mul(gate, gate), F.silu(gate) * gate)
+    finally:
+        cpu_native.library.cache_clear()
+        monkeypatch.undo()
+        assert cpu_native.library() is not None
