@@ -10,6 +10,9 @@ a CUDA tensor arrives, so CPU-only users never need it.
 
 from __future__ import annotations
 
+import torch
+
+from . import cpu_native, dispatch, reference
 from .dispatch import check_model, run, uses_kernels
 from .prefill_sdpa import remember_host_lengths
 
@@ -49,6 +52,35 @@ def rotate_qk(q, k, positions, cos, signed_sin):
     return run("rotate_qk", q, k, positions, cos, signed_sin)
 
 
+def layer_ops(device, dtype):
+    """The layer ops (add_rms_norm, silu_mul, rotate_qk, write_kv, paged_attention_decode) a model calls: for
+    fp32 on the CPU in mode auto, where the library is built, cpu_native's own functions (no per-call checks,
+    3-7 us each: a model's own tensors have the layouts they take, last dims contiguous); else the dispatching
+    functions of this module."""
+    import sys
+
+    if (torch.device(device).type == "cpu" and dtype == torch.float32 and dispatch.MODE == "auto"
+            and cpu_native.library() is not None):
+        return cpu_native
+    return sys.modules[__name__]
+
+
+def fp16_linear_pack(weight, bias=None):
+    """A CPU linear layer's weight (and bias) held in fp16: panels for the native GEMM where it is built and
+    LORAPLEX_KERNELS is auto, else FBGEMM's packing. Read by fp16_linear."""
+    if dispatch.MODE == "auto" and cpu_native.fp16_weights_native():
+        return cpu_native.F16Panels(weight.float(), None if bias is None else bias.float())
+    return reference.fp16_linear_pack(weight, bias)
+
+
+def fp16_linear(x, packed):
+    """x @ W.T + b [M, N] in fp32 with W from fp16_linear_pack (each weight read as its fp16 value): the GEMM
+    its packing was made for."""
+    if isinstance(packed, cpu_native.F16Panels):
+        return cpu_native.fp16_linear(x, packed)
+    return reference.fp16_linear(x, packed)
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Store new keys/values [T, Hkv, D] at flat slots (block * block_size + offset); slot < 0 skips."""
     return run("write_kv", k_cache, v_cache, k, v, slot_mapping)
@@ -73,6 +105,9 @@ __all__ = [
     "add_rms_norm",
     "check_model",
     "copy_blocks",
+    "fp16_linear",
+    "fp16_linear_pack",
+    "layer_ops",
     "lora_expand_bgmv",
     "lora_expand_sgmv",
     "lora_shrink_bgmv",

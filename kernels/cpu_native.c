@@ -9,6 +9,62 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+/* The vector path: AVX-512, else AVX2 with F16C and FMA, LANES floats a register. Without either LANES is
+ * undefined: the ops run scalar and the fp16 GEMM is not offered. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define TILE_ROWS 6
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_load_h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_bcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vf_set(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_floor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf vf_pow2i(vf k) { /* 2^k for integral k in [-126, 127] */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
+}
+static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LANES 8
+#define TILE_ROWS 3
+typedef __m256 vf;
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_bcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vf_set(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_floor(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf vf_pow2i(vf k) { /* 2^k for integral k in [-126, 127] */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+}
+static inline float vf_sum(vf a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 
 #define MAX_HEAD_DIM 512
 
@@ -31,9 +87,11 @@ void lp_add_rms_norm(float *x, int64_t x_stride, const float *d, int64_t d_strid
     }
 }
 
-/* exp(x) for x <= 0 in float (Cephes' expf polynomial, about 1 ulp), branch-free so that loops vectorize. */
+/* exp(x) in float (Cephes' expf polynomial, about 1 ulp) for x >= -87.3 (below: about 1e-38, not 0) and
+ * x < 88.3; +inf from about 88.4 on. Branch-free. */
 static inline float lp_exp(float x) {
     x = x < -87.33654f ? -87.33654f : x;
+    x = x > 88.72f ? 88.72f : x;
     const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - k * 0.693359375f;
     r = r - k * -2.12194440e-4f;
@@ -44,22 +102,45 @@ static inline float lp_exp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
+    const int32_t bits = ((int32_t)k + 127) << 23; /* 2^k; k = 128 gives +inf */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
-/* out[r] = silu(gate[r]) * up[r]: silu(g) = g / (1 + exp(-g)), exp taken of -|g| to stay in range. */
+#ifdef LANES
+/* lp_exp on LANES floats, the same polynomial (the same values up to the last bit of the range clamp). */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set(-87.33654f)), vf_set(88.72f));
+    const vf k = vf_floor(vf_add(vf_mul(x, vf_set(1.44269504088896341f)), vf_set(0.5f)));
+    vf r = vf_sub(x, vf_mul(k, vf_set(0.693359375f)));
+    r = vf_sub(r, vf_mul(k, vf_set(-2.12194440e-4f)));
+    vf p = vf_set(1.9875691500e-4f);
+    p = vf_add(vf_mul(p, r), vf_set(1.3981999507e-3f));
+    p = vf_add(vf_mul(p, r), vf_set(8.3334519073e-3f));
+    p = vf_add(vf_mul(p, r), vf_set(4.1665795894e-2f));
+    p = vf_add(vf_mul(p, r), vf_set(1.6666665459e-1f));
+    p = vf_add(vf_mul(p, r), vf_set(5.0000001201e-1f));
+    p = vf_add(vf_add(vf_mul(vf_mul(p, r), r), r), vf_set(1.f));
+    return vf_mul(p, vf_pow2i(k));
+}
+#endif
+
+/* out[r] = silu(gate[r]) * up[r], silu(g) = g / (1 + exp(-g)) as torch computes it. */
 void lp_silu_mul(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, float *out,
                  int64_t out_stride, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate + r * gate_stride, *u = up + r * up_stride;
         float *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float e = lp_exp(-fabsf(g[i]));  /* exp(-|g|) in (0, 1] */
-            const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-            o[i] = g[i] * sig * u[i];
+        int64_t i = 0;
+#ifdef LANES
+        for (; i + LANES <= n; i += LANES) {
+            const vf gv = vf_load(g + i);
+            const vf e = vf_exp(vf_sub(vf_zero(), gv));
+            vf_store(o + i, vf_mul(vf_div(gv, vf_add(vf_set(1.f), e)), vf_load(u + i)));
         }
+#endif
+        for (; i < n; i++) o[i] = g[i] / (1.f + lp_exp(-g[i])) * u[i];
     }
 }
 
@@ -108,43 +189,118 @@ int lp_write_kv(float *k_cache, float *v_cache, const float *k, int64_t k_stride
     return 0;
 }
 
-/* One sequence's query heads [group, D] of KV head g over its n cached positions -> out [group, D].
- * scores holds group * n floats. Exact softmax: scores, their max, exp, then the weighted sum of V. */
-static void attend_group(const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache,
-                         const float *v_cache, const int32_t *blocks, int64_t n, int64_t block_size,
-                         int64_t hkv, int64_t g, int64_t d, float scale, float *scores) {
-    const int64_t row = hkv * d;
-    for (int64_t p = 0; p < n; p++) {
-        const float *kp = k_cache + ((int64_t)blocks[p / block_size] * block_size + p % block_size) * row + g * d;
-        for (int64_t j = 0; j < group; j++) {
-            const float *qj = q + j * q_head_stride;
-            float dot = 0.f;
+/* sum of a[i] * b[i] over d floats (fused multiply-adds, in vector lanes, then a tree). */
+static inline __attribute__((always_inline)) float dot_fma(const float *a, const float *b, const int64_t d) {
+#ifdef LANES
+    if (d % LANES == 0) {
+        vf acc0 = vf_zero(), acc1 = vf_zero();
+        int64_t i = 0;
+        for (; i + 2 * LANES <= d; i += 2 * LANES) {
+            acc0 = vf_fma(vf_load(a + i), vf_load(b + i), acc0);
+            acc1 = vf_fma(vf_load(a + i + LANES), vf_load(b + i + LANES), acc1);
+        }
+        if (i < d) acc0 = vf_fma(vf_load(a + i), vf_load(b + i), acc0);
+        return vf_sum(vf_add(acc0, acc1));
+    }
+#endif
+    float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; i++) dot += qj[i] * kp[i];
-            scores[j * n + p] = dot * scale;
+    for (int64_t i = 0; i < d; i++) dot = fmaf(a[i], b[i], dot);
+    return dot;
+}
+
+/* s[0..n) = softmax(s) in place: exp(s - max) / sum (a NaN score makes the row NaN). */
+static void softmax_inplace(float *s, int64_t n) {
+    float m = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : m)
+    for (int64_t p = 0; p < n; p++) m = fmaxf(m, s[p]);
+    int64_t p = 0;
+#ifdef LANES
+    vf vsum = vf_zero();
+    const vf vm = vf_set(m);
+    for (; p + LANES <= n; p += LANES) {
+        const vf e = vf_exp(vf_sub(vf_load(s + p), vm));
+        vf_store(s + p, e);
+        vsum = vf_add(vsum, e);
+    }
+    sum = vf_sum(vsum);
+#endif
+    for (; p < n; p++) {
+        s[p] = lp_exp(s[p] - m);
+        sum += s[p];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t q = 0; q < n; q++) s[q] *= inv;
+}
+
+/* out[0..d) = sum over the n positions of w[p] * V[p] (V rows read through the block table at column col). */
+static inline __attribute__((always_inline)) void weigh_values(const float *w, const float *v_cache,
+                                                                const int32_t *blocks, int64_t n, int64_t block_size,
+                                                                int64_t row, int64_t col, const int64_t d, float *out) {
+#ifdef LANES
+    if (d % LANES == 0 && d <= 8 * LANES) { /* the sums stay in registers */
+        vf acc[8];
+        for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_zero();
+        for (int64_t start = 0; start < n; start += block_size) {
+            const float *vb = v_cache + (int64_t)blocks[start / block_size] * block_size * row + col;
+            const int64_t len = n - start < block_size ? n - start : block_size;
+            for (int64_t off = 0; off < len; off++) {
+                const vf wp = vf_set(w[start + off]);
+                for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_fma(wp, vf_load(vb + off * row + v * LANES), acc[v]);
+            }
+        }
+        for (int64_t v = 0; v < d / LANES; v++) vf_store(out + v * LANES, acc[v]);
+        return;
+    }
+#endif
+    memset(out, 0, (size_t)d * sizeof(float));
+    for (int64_t start = 0; start < n; start += block_size) {
+        const float *vb = v_cache + (int64_t)blocks[start / block_size] * block_size * row + col;
+        const int64_t len = n - start < block_size ? n - start : block_size;
+        for (int64_t off = 0; off < len; off++) {
+            const float wp = w[start + off], *vp = vb + off * row;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) out[i] = fmaf(wp, vp[i], out[i]);
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *s = scores + j * n, m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < n; p++) m = s[p] > m ? s[p] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; p++) {
-            s[p] = lp_exp(s[p] - m);
-            sum += s[p];
+}
+
+/* One sequence's query heads [group, D] of KV head g over its n cached positions -> out [group, D].
+ * scores holds group * n floats. Exact softmax: scores, their max, exp, then the weighted sum of V.
+ * Walks the block table block by block (no division per position); d is a constant where inlined. */
+static inline __attribute__((always_inline)) void attend_group_d(
+    const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache, const float *v_cache,
+    const int32_t *blocks, int64_t n, int64_t block_size, int64_t hkv, int64_t g, const int64_t d, float scale,
+    float *scores) {
+    const int64_t row = hkv * d;
+    for (int64_t start = 0; start < n; start += block_size) {
+        const float *kb = k_cache + (int64_t)blocks[start / block_size] * block_size * row + g * d;
+        const int64_t len = n - start < block_size ? n - start : block_size;
+        for (int64_t off = 0; off < len; off++) {
+            const float *kp = kb + off * row;
+            for (int64_t j = 0; j < group; j++) {
+                scores[j * n + start + off] = dot_fma(q + j * q_head_stride, kp, d) * scale;
+            }
         }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t p = 0; p < n; p++) s[p] *= inv;
-        memset(out + j * d, 0, (size_t)d * sizeof(float));
     }
-    for (int64_t p = 0; p < n; p++) {
-        const float *vp = v_cache + ((int64_t)blocks[p / block_size] * block_size + p % block_size) * row + g * d;
-        for (int64_t j = 0; j < group; j++) {
-            const float w = scores[j * n + p];
-            float *o = out + j * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += w * vp[i];
-        }
+    for (int64_t j = 0; j < group; j++) softmax_inplace(scores + j * n, n);
+    for (int64_t j = 0; j < group; j++) weigh_values(scores + j * n, v_cache, blocks, n, block_size, row, g * d, d,
+                                                     out + j * d);
+}
+
+static void attend_group(const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache,
+                         const float *v_cache, const int32_t *blocks, int64_t n, int64_t block_size, int64_t hkv,
+                         int64_t g, int64_t d, float scale, float *scores) {
+    switch (d) {  /* the common head dims unrolled */
+        case 64:
+            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, 64, scale, scores);
+            break;
+        case 128:
+            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, 128, scale, scores);
+            break;
+        default:
+            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, d, scale, scores);
     }
 }
 
@@ -153,8 +309,8 @@ static void attend_group(const float *q, int64_t q_head_stride, float *out, int6
  * gives zeros. Work items are (sequence, KV head), spread over torch's OpenMP threads when there are several.
  * Returns 0; -1 (nothing computed) when a context passes its block table or a block the cache's num_blocks;
  * -2 when scratch memory could not be allocated. */
-int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                    int64_t max_blocks, const int32_t *context_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
+int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k_cache, const float *v_cache,
+                    const int32_t *block_tables, int64_t table_stride, int64_t max_blocks, const int32_t *context_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
                     int64_t d, int64_t block_size, int64_t num_blocks, float scale) {
     const int64_t group = hq / hkv, items = num_seqs * hkv;
     int64_t longest = 0;
@@ -162,7 +318,7 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
         const int64_t n = context_lens[b], used = (n + block_size - 1) / block_size;
         if (used > max_blocks) return -1;
         for (int64_t i = 0; i < used; i++)
-            if (block_tables[b * max_blocks + i] < 0 || block_tables[b * max_blocks + i] >= num_blocks) return -1;
+            if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -1;
         longest = n > longest ? n : longest;
     }
     int failed = 0;
@@ -181,12 +337,84 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
                 memset(o, 0, (size_t)(group * d) * sizeof(float));
                 continue;
             }
-            attend_group(q + b * q_stride + g * group * d, d, o, group, k_cache, v_cache, block_tables + b * max_blocks, n,
+            attend_group(q + b * q_stride + g * group * d, d, o, group, k_cache, v_cache, block_tables + b * table_stride, n,
                          block_size, hkv, g, d, scale, scores);
         }
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+/* ---- fp16-weight GEMM: y = x @ W.T + bias, x fp32, W stored fp16 in panels, products summed in fp32 ----
+ * The weight [N, K] is packed (cpu_native.pack_f16_panels) as N / NB panels of [K, NB] (N padded with zero
+ * rows to a multiple of NB): panel p holds columns p*NB .. p*NB+NB-1 of W.T, so one panel is one stream of
+ * memory. Each panel is read once from memory and stays in cache while every tile of R rows of x passes
+ * over it: R x NB outputs in registers, one fp16 -> fp32 conversion per weight per tile. */
+#ifdef LANES
+#define PANEL_VECS 4
+#define NB (LANES * PANEL_VECS)
+
+/* rows (<= TILE_ROWS, a constant after inlining) x NB outputs over one panel; cols < NB stores only those. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t x_stride, const uint16_t *panel,
+                                                             int64_t k, const float *bias, float *y, int64_t y_stride,
+                                                             const int rows, int64_t cols) {
+    vf acc[TILE_ROWS][PANEL_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_zero();
+    for (int64_t i = 0; i < k; i++) {
+        vf w[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; v++) w[v] = vf_load_h(panel + i * NB + v * LANES);
+        for (int r = 0; r < rows; r++) {
+            const vf xr = vf_bcast(x + r * x_stride + i);
+            for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_fma(xr, w[v], acc[r][v]);
+        }
+    }
+    float buf[NB];
+    for (int r = 0; r < rows; r++) {
+        float *out = cols == NB ? y + r * y_stride : buf;
+        for (int v = 0; v < PANEL_VECS; v++)
+            vf_store(out + v * LANES, bias ? vf_add(acc[r][v], vf_load(bias + v * LANES)) : acc[r][v]);
+        if (cols != NB) memcpy(y + r * y_stride, buf, (size_t)cols * sizeof(float));
+    }
+}
+
+static void gemm_panel(const float *x, int64_t x_stride, const uint16_t *panel, int64_t k, const float *bias,
+                       float *y, int64_t y_stride, int64_t m, int64_t cols) {
+    int64_t r = 0;
+    for (; r + TILE_ROWS <= m; r += TILE_ROWS)
+        gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, TILE_ROWS, cols);
+    switch (m - r) {  /* the last rows, each count its own unrolled tile */
+#if TILE_ROWS > 5
+        case 5: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 5, cols); break;
+        case 4: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 4, cols); break;
+        case 3: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 3, cols); break;
+#endif
+        case 2: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 2, cols); break;
+        case 1: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 1, cols); break;
+        default: break;
+    }
+}
+#else
+#define NB 0
+#endif
+
+/* Panel width NB of lp_gemm_f16, or 0 when this CPU has no vector path for it (then it is not called). */
+int lp_gemm_panel_width(void) { return NB; }
+
+/* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
+ * W in panels. Panels are spread over torch's OpenMP threads when there are several and the work is large. */
+void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+#ifdef LANES
+    const int64_t num_panels = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (num_panels > 1 && m * n * k >= (1 << 22))
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
+        gemm_panel(x, x_stride, panels + p * k * NB, k, bias ? bias + p * NB : NULL, y + p * NB, y_stride, m, cols);
+    }
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
+#endif
 }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }

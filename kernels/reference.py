@@ -170,6 +170,16 @@ def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales):
 _ROPE_ROWS = PerStepMemo()
 
 
+def fp16_linear_pack(weight, bias=None):
+    """A linear layer's weight (and bias) in fp16 for FBGEMM's fp16-weight GEMM (CPU, fp32 compute)."""
+    return torch.ops.quantized.linear_prepack_fp16(weight.float(), None if bias is None else bias.float())
+
+
+def fp16_linear(x, packed):
+    """x @ W.T + b with W packed by fp16_linear_pack: each weight read as its fp16 value, products summed in fp32."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
 def add_rms_norm(x, delta, weight, eps):
     """x += delta in place (when given: the residual add), then RMSNorm(x) * weight in fp32, as HF computes it."""
     if delta is not None:

@@ -14,7 +14,7 @@ from .lora_tiles import SlotTiles
 from .rope import RotaryEmbedding
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
-# one row of SmolLM2's 30 layers 20.0 -> 18.8 ms, the same values (each output column is its own sum).
+# FBGEMM, one row of SmolLM2's 30 layers 20.0 -> 18.8 ms, the same values (each output column is its own sum).
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
@@ -70,16 +70,6 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int,
         kernels.lora_expand_sgmv(y, v, b, lora.seg_starts, lora.seg_slots, ranks, scales)
 
 
-def pack_fp16(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """A linear layer's weight (and bias) stored in fp16 for FBGEMM's fp16-weight GEMM (CPU, fp32 compute)."""
-    return torch.ops.quantized.linear_prepack_fp16(weight.float(), None if bias is None else bias.float())
-
-
-def fp16_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x @ W.T + b with W packed by pack_fp16: each weight read as its fp16 value, products summed in fp32."""
-    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
-
-
 def _fused_bias(layer: dict, parts: tuple[str, ...]) -> torch.Tensor | None:
     """The modules' biases end to end (zeros for one without), or None when none has one."""
     biases = [layer.get(m + ".bias") for m in parts]
@@ -92,9 +82,9 @@ class LlamaModel:
     """Weights of a LLaMA-family checkpoint and its forward pass.
 
     ``fp16_weights`` (CPU, fp32): the projections and ``lm_head`` keep their weights in fp16
-    and multiply through FBGEMM in fp32, reading half the bytes; the embedding is rounded
-    the same way, so a tied ``lm_head`` and the lookups see one set of values. q/k/v and
-    gate/up are packed together (FUSED).
+    and multiply in fp32 (kernels.fp16_linear: the native GEMM, else FBGEMM), reading half the
+    bytes; the embedding is rounded the same way, so a tied ``lm_head`` and the lookups see one
+    set of values. q/k/v and gate/up are packed together (FUSED).
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None,
@@ -111,6 +101,7 @@ class LlamaModel:
         self.scale = self.head_dim**-0.5
         # ops whose kernel cannot serve this model -> why (logged once); they take the torch path
         self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
+        self.ops = kernels.layer_ops(device, dtype)  # the native CPU ops directly, or kernels' dispatching ones
         w = load_safetensors(model_dir, dtype, device)
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
@@ -119,7 +110,7 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight")
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
-        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> pack_fp16 (fp16_weights)
+        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.fp16_linear_pack (fp16_weights)
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
@@ -133,18 +124,18 @@ class LlamaModel:
 
     def _pack_fp16(self) -> None:
         if torch.device(self.device).type != "cpu" or self.dtype != torch.float32:
-            raise ValueError("fp16 weights are a CPU option with dtype float32 (FBGEMM); on CUDA set dtype float16")
+            raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
         tied = self.lm_head is self.embed
         self.embed = self.embed.half().float()  # the values the packed weights hold
-        self.packed_lm_head = pack_fp16(self.embed if tied else self.lm_head)
+        self.packed_lm_head = kernels.fp16_linear_pack(self.embed if tied else self.lm_head)
         self.lm_head = self.embed if tied else self.lm_head.half().float()
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
         self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
         for layer in self.layers:
-            packed = {m: pack_fp16(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
+            packed = {m: kernels.fp16_linear_pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
             for name, parts in FUSED.items():
-                packed[name] = pack_fp16(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                packed[name] = kernels.fp16_linear_pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
@@ -166,7 +157,7 @@ class LlamaModel:
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         if self.packed is not None:
-            y = fp16_linear(x, self.packed[layer_idx][module])
+            y = kernels.fp16_linear(x, self.packed[layer_idx][module])
         else:
             layer = self.layers[layer_idx]
             y = F.linear(x, layer[module], layer.get(module + ".bias"))
@@ -179,7 +170,7 @@ class LlamaModel:
         modules = FUSED[fused]
         if self.packed is None:
             return tuple(self._proj(layer_idx, m, x, lora) for m in modules)
-        ys = fp16_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
+        ys = kernels.fp16_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         if lora is not None:
             for y, m in zip(ys, modules):
                 _add_lora(y, x, lora, layer_idx, m)
@@ -190,32 +181,32 @@ class LlamaModel:
 
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
-        h = self.embed[input_ids]
+        ops, h = self.ops, self.embed[input_ids]
         t, delta = h.shape[0], None
         for i, layer in enumerate(self.layers):
-            x = kernels.add_rms_norm(h, delta, layer["input_norm"], self.eps)
+            x = ops.add_rms_norm(h, delta, layer["input_norm"], self.eps)
             q, k, v = self._projs(i, "qkv", x, lora)
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            q, k = kernels.rotate_qk(q, k, attn.positions, self.rope.cos, self.rope.signed_sin)
+            q, k = ops.rotate_qk(q, k, attn.positions, self.rope.cos, self.rope.signed_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+            ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
             if attn.is_decode:
-                o = kernels.paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
+                o = ops.paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
             else:
                 o = kernels.paged_attention_prefill(
                     q, k_cache, v_cache, attn.block_tables, attn.cu_query_lens, attn.context_lens, self.scale
                 )
-            x = kernels.add_rms_norm(h, self._proj(i, "o_proj", o.reshape(t, -1), lora), layer["post_norm"], self.eps)
+            x = ops.add_rms_norm(h, self._proj(i, "o_proj", o.reshape(t, -1), lora), layer["post_norm"], self.eps)
             gate, up = self._projs(i, "gate_up", x, lora)
-            delta = self._proj(i, "down_proj", kernels.silu_mul(gate, up), lora)
-        return kernels.add_rms_norm(h, delta, self.norm, self.eps)
+            delta = self._proj(i, "down_proj", ops.silu_mul(gate, up), lora)
+        return ops.add_rms_norm(h, delta, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in fp32."""
         if self.packed_lm_head is not None:
-            return fp16_linear(hidden, self.packed_lm_head)
+            return kernels.fp16_linear(hidden, self.packed_lm_head)
         if self.lm_head_t is not None:
             return torch.mm(hidden, self.lm_head_t)
         return F.linear(hidden, self.lm_head).float()

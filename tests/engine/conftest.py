@@ -97,6 +97,16 @@ def lora_family(tmp_path_factory):
     return get
 
 
+@pytest.fixture(params=["auto", "reference"])
+def kernel_mode(request, monkeypatch) -> str:
+    """LORAPLEX_KERNELS in turn: auto (fp32 CPU: the native ops and GEMM) and reference (the torch path,
+    FBGEMM for fp16 weights), set before the test builds its engine."""
+    from loraplex.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "MODE", request.param)
+    return request.param
+
+
 @pytest.fixture(params=list(ARCHS))
 def lora_arch(request) -> str:
     """Each architecture of ARCHS in turn (a test taking ``lora_arch`` runs once per architecture)."""

@@ -282,9 +282,10 @@ def logits_match_peft(engine: LLMEngine, family, model_dir: str) -> list[tuple[l
     return checked
 
 
-def test_first_step_logits_match_peft(lora_family, lora_arch):
+def test_first_step_logits_match_peft(lora_family, lora_arch, kernel_mode):
     family = lora_family(lora_arch)
     engine = make_engine(family)
+    assert (engine.model.ops.__name__ == "loraplex.kernels.cpu_native") == (kernel_mode == "auto")
     worst = 0.0
     for ids, name, want, error in logits_match_peft(engine, family, family.model_dir):
         worst = max(worst, error)

@@ -148,3 +148,26 @@ def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog):
         cpu_native.library.cache_clear()
         monkeypatch.undo()
         assert cpu_native.library() is not None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp16_gemm_matches_the_rounded_weights(rows, threads):
+    if not cpu_native.fp16_weights_native():
+        pytest.skip("this CPU has no vector path for the native fp16 GEMM (FBGEMM serves it)")
+    gen = torch.Generator().manual_seed(6)
+    n, k = 3 * cpu_native.library().lp_gemm_panel_width() + 5, 200  # a partial last panel
+    weight, bias = randn(n, k, dtype=torch.float32, gen=gen), randn(n, dtype=torch.float32, gen=gen)
+    x = randn(rows, k + 3, dtype=torch.float32, gen=gen)[:, :k]  # strided rows
+    packed = kernels.fp16_linear_pack(weight, bias)
+    assert isinstance(packed, cpu_native.F16Panels)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.fp16_linear(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    want = torch.addmm(bias.double(), x.double(), weight.half().double().T).float()
+    assert_close(got, want, torch.float32)
+    no_bias = kernels.fp16_linear(x.contiguous(), kernels.fp16_linear_pack(weight))
+    assert_close(no_bias, (x.double() @ weight.half().double().T).float(), torch.float32)
