@@ -418,3 +418,68 @@ void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const
 }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
+
+/* ---- a whole decode forward of the base model in one call: the ops above, in the model's order ---- */
+
+typedef struct { /* one layer's weights: norms, fp16 panels and their padded biases (NULL: none) */
+    const float *input_norm, *post_norm;
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+} lp_layer;
+
+typedef struct { /* the model's shapes */
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+} lp_shapes;
+
+typedef struct { /* the step: rows tokens, one per sequence, and where their K/V go and come from */
+    int64_t rows;
+    const int64_t *positions, *slot_mapping;
+    const int32_t *block_tables, *context_lens;
+    int64_t table_stride, max_blocks;
+    const float *cos, *signed_sin;
+    int64_t table_rows;
+    float *kv_cache; /* [layers, 2, num_blocks, block_size, kv_heads, head_dim] */
+    int64_t num_blocks, block_size;
+} lp_step;
+
+/* h [rows, hidden] (the embeddings; updated in place as the residual stream) -> out [rows, hidden] after the
+ * final norm, exactly as LlamaModel.forward computes it op by op with these ops (the same values).
+ * Returns 0, -1 for a position, slot or block outside its table, -2 when memory ran out. */
+int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *final_norm, const lp_step *s, float *h,
+                      float *out) {
+    const int64_t rows = s->rows, hid = m->hidden, d = m->head_dim, qd = m->heads * d, kvd = m->kv_heads * d;
+    const int64_t wqkv = qd + 2 * kvd, inter = m->intermediate;
+    const int64_t layer_elems = s->num_blocks * s->block_size * kvd;
+    float *buf = (float *)malloc((size_t)(rows * (2 * hid + wqkv + qd + 3 * inter)) * sizeof(float));
+    if (!buf) return -2;
+    float *x = buf, *qkv = x + rows * hid, *att = qkv + rows * wqkv, *proj = att + rows * qd;
+    float *gu = proj + rows * hid, *act = gu + rows * 2 * inter;
+    const float *delta = NULL;
+    int rc = 0;
+    for (int64_t i = 0; i < m->num_layers && !rc; i++) {
+        const lp_layer *w = layers + i;
+        float *k_cache = s->kv_cache + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
+        lp_add_rms_norm(h, hid, delta, hid, w->input_norm, x, hid, rows, hid, m->eps);
+        lp_gemm_f16(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid);
+        rc = lp_rotate_qk(qkv, wqkv, m->heads, qkv + qd, wqkv, m->kv_heads, d, s->positions, rows, s->cos,
+                          s->signed_sin, s->table_rows);
+        if (!rc)
+            rc = lp_write_kv(k_cache, v_cache, qkv + qd, wqkv, qkv + qd + kvd, wqkv, s->slot_mapping, rows, kvd,
+                             s->num_blocks * s->block_size);
+        if (!rc)
+            rc = lp_paged_decode(qkv, wqkv, att, k_cache, v_cache, s->block_tables, s->table_stride, s->max_blocks,
+                                 s->context_lens, rows, m->heads, m->kv_heads, d, s->block_size, s->num_blocks,
+                                 m->scale);
+        if (rc) break;
+        lp_gemm_f16(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd);
+        lp_add_rms_norm(h, hid, proj, hid, w->post_norm, x, hid, rows, hid, m->eps);
+        lp_gemm_f16(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid);
+        lp_silu_mul(gu, 2 * inter, gu + inter, 2 * inter, act, inter, rows, inter);
+        lp_gemm_f16(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter);
+        delta = proj;
+    }
+    if (!rc) lp_add_rms_norm(h, hid, delta, hid, final_norm, out, hid, rows, hid, m->eps);
+    free(buf);
+    return rc;
+}

@@ -43,6 +43,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_panel_width": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
+    "lp_decode_forward": ([_P, _P, _P, _P, _P, _P], ctypes.c_int),
 }
 
 
@@ -185,7 +186,7 @@ class F16Panels:
     """A linear layer's weight [N, K] in fp16 for lp_gemm_f16: N / NB panels [K, NB] (N padded with zero rows),
     one contiguous stream each, and its bias in fp32, padded the same way (or None)."""
 
-    __slots__ = ("panels", "bias", "out_features")
+    __slots__ = ("panels", "bias", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         width = library().lp_gemm_panel_width()
@@ -194,7 +195,7 @@ class F16Panels:
         padded = torch.zeros(rows, k, dtype=torch.float32)
         padded[:n] = weight
         self.panels = padded.view(rows // width, width, k).transpose(1, 2).contiguous().half()
-        self.out_features = n
+        self.out_features, self.in_features = n, k
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(rows, dtype=torch.float32)
@@ -217,3 +218,63 @@ def fp16_linear(x, weight: F16Panels):
     library().lp_gemm_f16(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(),
                           weight.out_features, m, weight.out_features, k)
     return out
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down",
+                                                    "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+
+
+class _Shapes(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                   "intermediate")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int64), ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("max_blocks", ctypes.c_int64), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
+                ("table_rows", ctypes.c_int64), ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("block_size", ctypes.c_int64)]
+
+
+def _ptr(panels: F16Panels | None, bias: bool = False):
+    if panels is None:
+        return None
+    tensor = panels.bias if bias else panels.panels
+    return None if tensor is None else tensor.data_ptr()
+
+
+class DecodeForward:
+    """A base-model decode step's whole forward in one native call (lp_decode_forward): the same ops in the
+    same order as LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a
+    layer. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: F16Panels};
+    the tensors must outlive this object (the model holds them)."""
+
+    def __init__(self, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(w["input_norm"].data_ptr(), w["post_norm"].data_ptr(), _ptr(w["qkv"]), _ptr(w["o_proj"]),
+                   _ptr(w["gate_up"]), _ptr(w["down_proj"]), _ptr(w["qkv"], True), _ptr(w["o_proj"], True),
+                   _ptr(w["gate_up"], True), _ptr(w["down_proj"], True))
+            for w in layers])
+        hidden = final_norm.shape[0]
+        self._shapes = _Shapes(len(layers), hidden, heads, kv_heads, head_dim, layers[0]["down_proj"].in_features,
+                               eps, scale)
+        self._final_norm, self._cos, self._signed_sin = final_norm, cos, signed_sin
+
+    def __call__(self, h, positions, slot_mapping, block_tables, context_lens, kv_cache) -> torch.Tensor:
+        """h [T, hidden] fp32 embeddings (updated in place) -> hidden states after the final norm; writes K/V."""
+        rows = h.shape[0]
+        out = torch.empty_like(h)
+        step = _Step(rows, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+                     context_lens.data_ptr(), block_tables.stride(0), block_tables.shape[1], self._cos.data_ptr(),
+                     self._signed_sin.data_ptr(), self._cos.shape[0], kv_cache.data_ptr(), kv_cache.shape[2],
+                     kv_cache.shape[3])
+        rc = library().lp_decode_forward(ctypes.byref(self._shapes), self._layers, self._final_norm.data_ptr(),
+                                         ctypes.byref(step), h.data_ptr(), out.data_ptr())
+        if rc == -1:
+            raise IndexError("decode forward: a position, slot or block is outside its table")
+        if rc:
+            raise MemoryError("decode forward: no memory for the activations")
+        return out

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels import cpu_native
 from ..lora.shapes import MODULES
 from .loader import load_hf_config, load_safetensors
 from .lora_tiles import SlotTiles
@@ -113,6 +114,7 @@ class LlamaModel:
         self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.fp16_linear_pack (fp16_weights)
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
+        self.native_decode = None  # cpu_native.DecodeForward: a base-model decode step in one native call
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         if fp16_weights:
             self._pack_fp16()
@@ -139,6 +141,10 @@ class LlamaModel:
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
+        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.F16Panels):
+            self.native_decode = cpu_native.DecodeForward(
+                [{**layer, **packed} for layer, packed in zip(self.layers, self.packed)], self.norm, self.rope.cos,
+                self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
 
     @staticmethod
     def _take_layer(w: dict, i: int) -> dict:
@@ -182,6 +188,9 @@ class LlamaModel:
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
         ops, h = self.ops, self.embed[input_ids]
+        if lora is None and attn.is_decode and self.native_decode is not None:
+            return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,
+                                      kv_cache)
         t, delta = h.shape[0], None
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, delta, layer["input_norm"], self.eps)

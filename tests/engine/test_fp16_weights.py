@@ -70,3 +70,35 @@ def test_fp16_weights_are_a_cpu_fp32_option(lora_family):
         EngineConfig(model_dir="x", weight_dtype="bfloat16")
     with pytest.raises(ValueError, match="CPU option with dtype float32"):
         make_engine(lora_family("llama-gqa"), weight_dtype="float16", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_native_decode_forward_gives_the_per_op_values(lora_family, arch):
+    """A base-model decode step in one native call (DecodeForward) against the same model op by op."""
+    import torch
+
+    from loraplex.models.llama import AttentionBatch
+
+    engine = make_engine(lora_family(arch), weight_dtype="float16")
+    model, block_size = engine.model, 4
+    if model.native_decode is None:
+        pytest.skip("no native fp16 GEMM on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(model.allocate_kv_cache(12, block_size).shape, generator=gen)
+    lens = [1, 6, 17]
+    tables = torch.tensor([[3, 0, 0, 0, 0], [5, 7, 0, 0, 0], [0, 1, 2, 4, 6]], dtype=torch.int32)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([int(tables[b, p // block_size]) * block_size + p % block_size
+                          for b, p in enumerate(positions.tolist())])
+    attn = AttentionBatch(positions, slots, tables, torch.tensor(lens, dtype=torch.int32),
+                          torch.arange(4, dtype=torch.int32), True)
+    ids = torch.tensor([5, 17, 3])
+    fused_kv, per_op_kv = kv.clone(), kv.clone()
+    fused = model.forward(ids, attn, fused_kv, None)
+    native, model.native_decode = model.native_decode, None
+    try:
+        per_op = model.forward(ids, attn, per_op_kv, None)
+    finally:
+        model.native_decode = native
+    assert torch.equal(fused, per_op) and torch.equal(fused_kv, per_op_kv)
+    assert not torch.equal(fused_kv, kv)  # the new K/V were written
