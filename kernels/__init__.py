@@ -52,17 +52,12 @@ def rotate_qk(q, k, positions, cos, signed_sin):
     return run("rotate_qk", q, k, positions, cos, signed_sin)
 
 
-def layer_ops(device, dtype):
-    """The layer ops (add_rms_norm, silu_mul, rotate_qk, write_kv, paged_attention_decode) a model calls: for
-    fp32 on the CPU in mode auto, where the library is built, cpu_native's own functions (no per-call checks,
-    3-7 us each: a model's own tensors have the layouts they take, last dims contiguous); else the dispatching
-    functions of this module."""
-    import sys
-
-    if (torch.device(device).type == "cpu" and dtype == torch.float32 and dispatch.MODE == "auto"
-            and cpu_native.library() is not None):
-        return cpu_native
-    return sys.modules[__name__]
+def native_layer_ops(device, dtype) -> bool:
+    """Whether a model on device in dtype calls cpu_native's layer ops (add_rms_norm, silu_mul, rotate_qk,
+    write_kv, paged_attention_decode) directly: fp32 on the CPU, mode auto, the library built. Direct calls
+    skip the per-call checks (3-7 us each); a model's own tensors have the layouts they take."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and dispatch.MODE == "auto"
+            and cpu_native.library() is not None)
 
 
 def fp16_linear_pack(weight, bias=None):
@@ -107,7 +102,7 @@ __all__ = [
     "copy_blocks",
     "fp16_linear",
     "fp16_linear_pack",
-    "layer_ops",
+    "native_layer_ops",
     "lora_expand_bgmv",
     "lora_expand_sgmv",
     "lora_shrink_bgmv",

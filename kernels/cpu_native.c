@@ -1,9 +1,9 @@
 /* Native CPU ops of the decode step (fp32): one call where torch takes several small ops.
  *
- * Built by cpu_native.py with gcc -O3 -march=native -ffp-contract=off -fopenmp-simd (no FMA
- * contraction: the elementwise ops round like torch's), loaded with ctypes. Rows may be
+ * Built by cpu_native.py with cc -O3 -march=native -ffp-contract=off -fopenmp (no FMA contraction
+ * outside the explicit ones: the elementwise ops round like torch's), loaded with ctypes. Rows may be
  * strided (views of a fused projection's output); the last dimension is contiguous.
- * Single-threaded except the decode attention, which shares torch's OpenMP pool.
+ * Single-threaded except the decode attention and the GEMM, which share torch's OpenMP pool.
  */
 #include <math.h>
 #include <stdint.h>
@@ -165,7 +165,8 @@ static void rotate_rows(float *x, int64_t row_stride, int64_t heads, int64_t d, 
 /* RoPE on q [T, Hq, D] and k [T, Hkv, D] in place (rows strided, heads contiguous), by positions [T]
  * into tables [table_rows, D]. Returns 0, or -1 (nothing rotated) when a position is outside the tables. */
 int lp_rotate_qk(float *q, int64_t q_stride, int64_t hq, float *k, int64_t k_stride, int64_t hkv, int64_t d,
-                 const int64_t *positions, int64_t rows, const float *cos, const float *signed_sin, int64_t table_rows) {
+                 const int64_t *positions, int64_t rows, const float *cos, const float *signed_sin,
+                 int64_t table_rows) {
     if (d > MAX_HEAD_DIM || d % 2) return -1;
     for (int64_t t = 0; t < rows; t++)
         if (positions[t] < 0 || positions[t] >= table_rows) return -1;
@@ -247,7 +248,8 @@ static inline __attribute__((always_inline)) void weigh_values(const float *w, c
             const int64_t len = n - start < block_size ? n - start : block_size;
             for (int64_t off = 0; off < len; off++) {
                 const vf wp = vf_set(w[start + off]);
-                for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_fma(wp, vf_load(vb + off * row + v * LANES), acc[v]);
+                const float *vp = vb + off * row;
+                for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_fma(wp, vf_load(vp + v * LANES), acc[v]);
             }
         }
         for (int64_t v = 0; v < d / LANES; v++) vf_store(out + v * LANES, acc[v]);
@@ -292,26 +294,26 @@ static inline __attribute__((always_inline)) void attend_group_d(
 static void attend_group(const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache,
                          const float *v_cache, const int32_t *blocks, int64_t n, int64_t block_size, int64_t hkv,
                          int64_t g, int64_t d, float scale, float *scores) {
-    switch (d) {  /* the common head dims unrolled */
-        case 64:
-            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, 64, scale, scores);
-            break;
-        case 128:
-            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, 128, scale, scores);
-            break;
-        default:
-            attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, d, scale, scores);
+#define ATTEND(D) attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, D, \
+                                  scale, scores)
+    switch (d) { /* the common head dims unrolled */
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(d);
     }
+#undef ATTEND
 }
 
-/* Paged decode attention: q [B, Hq, D] (rows q_stride apart, heads contiguous), one query per sequence over its context_lens[b]
- * cached positions, found through block_tables [B, max_blocks] -> out [B, Hq, D]; an empty context
+/* Paged decode attention: q [B, Hq, D] (rows q_stride apart, heads contiguous), one query per sequence over
+ * its context_lens[b] cached positions, found through block_tables [B, max_blocks] (rows table_stride apart)
+ * -> out [B, Hq, D]; an empty context
  * gives zeros. Work items are (sequence, KV head), spread over torch's OpenMP threads when there are several.
  * Returns 0; -1 (nothing computed) when a context passes its block table or a block the cache's num_blocks;
  * -2 when scratch memory could not be allocated. */
 int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k_cache, const float *v_cache,
-                    const int32_t *block_tables, int64_t table_stride, int64_t max_blocks, const int32_t *context_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
-                    int64_t d, int64_t block_size, int64_t num_blocks, float scale) {
+                    const int32_t *block_tables, int64_t table_stride, int64_t max_blocks, const int32_t *context_lens,
+                    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t num_blocks,
+                    float scale) {
     const int64_t group = hq / hkv, items = num_seqs * hkv;
     int64_t longest = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -337,8 +339,8 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
                 memset(o, 0, (size_t)(group * d) * sizeof(float));
                 continue;
             }
-            attend_group(q + b * q_stride + g * group * d, d, o, group, k_cache, v_cache, block_tables + b * table_stride, n,
-                         block_size, hkv, g, d, scale, scores);
+            attend_group(q + b * q_stride + g * group * d, d, o, group, k_cache, v_cache,
+                         block_tables + b * table_stride, n, block_size, hkv, g, d, scale, scores);
         }
         free(scores);
     }
@@ -402,12 +404,14 @@ static void gemm_panel(const float *x, int64_t x_stride, const uint16_t *panel, 
 int lp_gemm_panel_width(void) { return NB; }
 
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
- * W in panels. Panels are spread over torch's OpenMP threads when there are several and the work is large. */
+ * W in panels. With several OpenMP threads (torch's pool) the panels of a large weight (256K+ elements, or
+ * 4M+ products) are handed out one at a time: a thread that loses its core to another process delays
+ * only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
 void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
 #ifdef LANES
     const int64_t num_panels = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(static) if (num_panels > 1 && m * n * k >= (1 << 22))
+#pragma omp parallel for schedule(dynamic, 1) if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
         gemm_panel(x, x_stride, panels + p * k * NB, k, bias ? bias + p * NB : NULL, y + p * NB, y_stride, m, cols);

@@ -2,11 +2,12 @@
 
 They serve fp32 CPU tensors where torch would take several small ops a call: the residual
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
-attention straight from the block table (no gathered copies); and the fp16-weight GEMM
-(``F16Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA), 1.1-1.4x FBGEMM's on SmolLM2's layers. `dispatch` routes a call here
-when ``serves`` says so and the library is built; else the torch reference runs. Without a C
-compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and every call
-takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
+attention straight from the block table (no gathered copies); the fp16-weight GEMM
+(``F16Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA: 1.1-1.4x FBGEMM's on SmolLM2's
+layers); and a base-model decode step's whole forward (``DecodeForward``). `dispatch` routes
+a call here when ``serves`` says so and the library is built; else the torch reference runs.
+Without a C compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and
+every call takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ class _Layer(ctypes.Structure):
 
 class _Shapes(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                   "intermediate")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                                                   "intermediate")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):

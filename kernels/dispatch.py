@@ -92,7 +92,8 @@ def launcher(name: str):
 
 def native_serves(name: str, args: tuple) -> bool:
     """Whether the native CPU op name serves this call (mode auto, the library built, its dtypes and layouts)."""
-    return MODE == "auto" and name in cpu_native.OPS and cpu_native.library() is not None and cpu_native.serves(name, args)
+    return (MODE == "auto" and name in cpu_native.OPS and cpu_native.library() is not None
+            and cpu_native.serves(name, args))
 
 
 def run(name: str, *args):

@@ -200,7 +200,8 @@ def rotate_qk(q, k, positions, cos, signed_sin):
     """q [T, Hq, D] and k [T, Hkv, D] rotated by positions [T] through tables [max_len, D]: HF's
     x * cos + rotate_half(x) * sin, as x * cos + roll(x, D/2) * signed_sin (new tensors; the native op
     rotates in place). The table rows are gathered once per step's positions tensor."""
-    c, s = _ROPE_ROWS.get(positions, (cos.data_ptr(),), lambda: (cos[positions][:, None], signed_sin[positions][:, None]))
+    c, s = _ROPE_ROWS.get(positions, (cos.data_ptr(),),
+                          lambda: (cos[positions][:, None], signed_sin[positions][:, None]))
     half = q.shape[-1] // 2
     return q * c + q.roll(half, -1) * s, k * c + k.roll(half, -1) * s
 

@@ -102,7 +102,7 @@ class LlamaModel:
         self.scale = self.head_dim**-0.5
         # ops whose kernel cannot serve this model -> why (logged once); they take the torch path
         self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
-        self.ops = kernels.layer_ops(device, dtype)  # the native CPU ops directly, or kernels' dispatching ones
+        self.ops = cpu_native if kernels.native_layer_ops(device, dtype) else kernels  # the layer ops it calls
         w = load_safetensors(model_dir, dtype, device)
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
@@ -111,7 +111,7 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight")
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
-        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.fp16_linear_pack (fp16_weights)
+        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.fp16_linear_pack
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
         self.native_decode = None  # cpu_native.DecodeForward: a base-model decode step in one native call
@@ -135,9 +135,10 @@ class LlamaModel:
         fused_modules = {m for parts in FUSED.values() for m in parts}
         self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
         for layer in self.layers:
-            packed = {m: kernels.fp16_linear_pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
+            pack = kernels.fp16_linear_pack
+            packed = {m: pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
             for name, parts in FUSED.items():
-                packed[name] = kernels.fp16_linear_pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)

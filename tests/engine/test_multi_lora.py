@@ -285,7 +285,7 @@ def logits_match_peft(engine: LLMEngine, family, model_dir: str) -> list[tuple[l
 def test_first_step_logits_match_peft(lora_family, lora_arch, kernel_mode):
     family = lora_family(lora_arch)
     engine = make_engine(family)
-    assert (engine.model.ops.__name__ == "loraplex.kernels.cpu_native") == (kernel_mode == "auto")
+    assert (engine.model.ops.__name__ == "loraplex.kernels.cpu_native") == (kernel_mode == "auto")  # else kernels
     worst = 0.0
     for ids, name, want, error in logits_match_peft(engine, family, family.model_dir):
         worst = max(worst, error)
