@@ -51,6 +51,7 @@ class EngineConfig:
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
     seed: int = 0  # seeds the global RNG used by requests without their own `seed`
     cpu_threads: int = 0  # torch CPU threads; 0 = auto (a server: CPUs - 1, unless OMP_NUM_THREADS is set)
+    native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +84,7 @@ class EngineConfig:
             (self.fair_share in ("vtc", "off"), "fair_share must be vtc or off"),
             (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
             (self.cpu_threads >= 0, "cpu_threads must be >= 0 (0 = auto)"),
+            (self.native_threads >= 0, "native_threads must be >= 0 (0 = auto)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -107,6 +109,19 @@ class EngineConfig:
         if os.environ.get("LORAPLEX_ADAPTER_STORE"):
             values["adapter_store"] = os.environ["LORAPLEX_ADAPTER_STORE"]
         return EngineConfig.from_dict(values)
+
+
+def native_cpu_threads(configured: int = 0) -> int:
+    """Threads of the native CPU ops' parallel loops (the fp16 GEMM, decode attention): configured if > 0;
+    else OMP_NUM_THREADS when set (the operator's choice); else every CPU this process may use. Unlike
+    torch's static splits, those loops hand out their work a panel or a sequence at a time, so a thread
+    that loses its core to Triton's threads delays only what it holds: served on 2 cores, SmolLM2 at 16
+    streams went from 244 to 337 tok/s with 2 threads, one stream unchanged (docs/benchmarks.md)."""
+    if configured > 0:
+        return configured
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return len(os.sched_getaffinity(0))
 
 
 def serving_cpu_threads() -> int:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .config import EngineConfig
+from . import kernels
+from .config import EngineConfig, native_cpu_threads
 from .engine_stats import EngineStats
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
@@ -68,6 +69,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per server start
         hf_config = load_hf_config(config.model_dir)
         self.device, self.dtype = resolve_device_dtype(config, getattr(hf_config, "dtype", None))
+        if self.device.type == "cpu":
+            kernels.set_native_threads(native_cpu_threads(config.native_threads))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
@@ -120,9 +123,10 @@ class LLMEngine:
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
-                 "%d torch CPU threads", config.model_dir, self.device, self.dtype,
+                 "%d torch CPU threads, %s native", config.model_dir, self.device, self.dtype,
                  " (fp16 weights)" if self.model.packed is not None else "", num_blocks, config.block_size,
-                 max_len, self.num_host_blocks, torch.get_num_threads())
+                 max_len, self.num_host_blocks, torch.get_num_threads(),
+                 kernels.native_threads() if self.device.type == "cpu" else "no")
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,

@@ -60,6 +60,17 @@ def native_layer_ops(device, dtype) -> bool:
             and cpu_native.library() is not None)
 
 
+def set_native_threads(n: int) -> None:
+    """Threads of the native CPU ops' parallel loops (the fp16 GEMM, decode attention), process-wide; torch's
+    own ops keep torch.set_num_threads'."""
+    cpu_native.set_threads(n)
+
+
+def native_threads() -> int:
+    """The native CPU ops' thread count (0 when they are not built here)."""
+    return cpu_native.threads()
+
+
 def fp16_linear_pack(weight, bias=None):
     """A CPU linear layer's weight (and bias) held in fp16: panels for the native GEMM where it is built and
     LORAPLEX_KERNELS is auto, else FBGEMM's packing. Read by fp16_linear."""
@@ -103,6 +114,8 @@ __all__ = [
     "fp16_linear",
     "fp16_linear_pack",
     "native_layer_ops",
+    "native_threads",
+    "set_native_threads",
     "lora_expand_bgmv",
     "lora_expand_sgmv",
     "lora_shrink_bgmv",

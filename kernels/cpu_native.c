@@ -3,15 +3,22 @@
  * Built by cpu_native.py with cc -O3 -march=native -ffp-contract=off -fopenmp (no FMA contraction
  * outside the explicit ones: the elementwise ops round like torch's), loaded with ctypes. Rows may be
  * strided (views of a fused projection's output); the last dimension is contiguous.
- * Single-threaded except the decode attention and the GEMM, which share torch's OpenMP pool.
+ * Single-threaded except the decode attention and the GEMM, which run on torch's OpenMP pool with
+ * lp_set_threads' count (their own: torch's ops may use fewer).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+
+/* Threads of the parallel loops (the GEMM's panels, decode attention's sequences); 0: OpenMP's, i.e. torch's. */
+static int lp_thread_count = 0;
+void lp_set_threads(int n) { lp_thread_count = n > 0 ? n : 0; }
+int lp_threads(void) { return lp_thread_count > 0 ? lp_thread_count : omp_get_max_threads(); }
 
 /* The vector path: AVX-512, else AVX2 with F16C and FMA, LANES floats a register. Without either LANES is
  * undefined: the ops run scalar and the fp16 GEMM is not offered. */
@@ -324,7 +331,7 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
         longest = n > longest ? n : longest;
     }
     int failed = 0;
-#pragma omp parallel if (items > 1 && longest * items >= 4096)
+#pragma omp parallel num_threads(lp_threads()) if (items > 1 && longest * items >= 4096)
     {
         float *scores = (float *)malloc((size_t)(group * (longest > 0 ? longest : 1)) * sizeof(float));
         if (!scores) {
@@ -404,14 +411,15 @@ static void gemm_panel(const float *x, int64_t x_stride, const uint16_t *panel, 
 int lp_gemm_panel_width(void) { return NB; }
 
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
- * W in panels. With several OpenMP threads (torch's pool) the panels of a large weight (256K+ elements, or
+ * W in panels. With several threads (lp_threads) the panels of a large weight (256K+ elements, or
  * 4M+ products) are handed out one at a time: a thread that loses its core to another process delays
  * only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
 void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
 #ifdef LANES
     const int64_t num_panels = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(dynamic, 1) if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
+#pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) \
+    if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
         gemm_panel(x, x_stride, panels + p * k * NB, k, bias ? bias + p * NB : NULL, y + p * NB, y_stride, m, cols);

@@ -44,6 +44,8 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_panel_width": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
+    "lp_set_threads": ([ctypes.c_int], None),
+    "lp_threads": ([], ctypes.c_int),
     "lp_decode_forward": ([_P, _P, _P, _P, _P, _P], ctypes.c_int),
 }
 
@@ -89,6 +91,19 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
     return lib
+
+
+def set_threads(n: int) -> None:
+    """Threads of the native GEMM's and decode attention's parallel loops (process-wide; 0: torch's count)."""
+    lib = library()
+    if lib is not None:
+        lib.lp_set_threads(n)
+
+
+def threads() -> int:
+    """What set_threads gives the native loops now (torch's count when unset); 0 without the library."""
+    lib = library()
+    return lib.lp_threads() if lib is not None else 0
 
 
 def _f32(*tensors) -> bool:

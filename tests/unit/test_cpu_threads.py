@@ -36,3 +36,26 @@ def test_the_engine_sets_torch_threads(demo):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_native_loops_take_every_cpu_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert config.native_cpu_threads() == 2
+    assert config.native_cpu_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert config.native_cpu_threads() == 1
+    with pytest.raises(ValueError, match="native_threads"):
+        EngineConfig(native_threads=-1)
+
+
+def test_the_engine_sets_the_native_threads(demo):
+    from loraplex import kernels
+    from loraplex.engine import LLMEngine
+
+    before = kernels.native_threads()
+    try:
+        LLMEngine(EngineConfig(model_dir=str(demo["model"]), native_threads=3, num_kv_blocks=16))
+        assert kernels.native_threads() == 3
+    finally:
+        kernels.set_native_threads(before)
