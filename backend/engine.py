@@ -124,7 +124,7 @@ class LLMEngine:
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
                  "%d torch CPU threads, %s native", config.model_dir, self.device, self.dtype,
-                 " (fp16 weights)" if self.model.packed is not None else "", num_blocks, config.block_size,
+                 " (fp16 weights)" if self.model.fp16_weights else "", num_blocks, config.block_size,
                  max_len, self.num_host_blocks, torch.get_num_threads(),
                  kernels.native_threads() if self.device.type == "cpu" else "no")
 

@@ -47,14 +47,14 @@ def gemm_part(rows_list: list[int], rounds: int) -> None:
 
     from loraplex.kernels import cpu_native, reference
 
-    if not cpu_native.fp16_weights_native():
+    if not cpu_native.panels_native():
         print("gemm: no native fp16 GEMM on this CPU (no AVX-512 / AVX2+F16C+FMA, or no compiler)")
         return
     weights = {m: [torch.randn(n, k) * 0.05 for _ in range(LAYERS)] for m, (n, k) in SHAPES.items()}
     lm_head = torch.randn(VOCAB, 576) * 0.05
-    ours = {m: [cpu_native.F16Panels(w) for w in ws] for m, ws in weights.items()}
+    ours = {m: [cpu_native.Panels(w) for w in ws] for m, ws in weights.items()}
     fbgemm = {m: [reference.fp16_linear_pack(w) for w in ws] for m, ws in weights.items()}
-    ours_lm, fbgemm_lm = cpu_native.F16Panels(lm_head), reference.fp16_linear_pack(lm_head)
+    ours_lm, fbgemm_lm = cpu_native.Panels(lm_head), reference.fp16_linear_pack(lm_head)
     print(f"gemm: SmolLM2's {LAYERS} layers + lm_head, fp16 weights ({WEIGHT_MB} MB), {torch.get_num_threads()} "
           "torch threads")
     print(f"{'rows':>5} {'native ms':>10} {'FBGEMM ms':>10} {'FBGEMM/native':>14} {'native GB/s':>12}")
@@ -64,8 +64,8 @@ def gemm_part(rows_list: list[int], rounds: int) -> None:
         def native():
             for m in SHAPES:
                 for w in ours[m]:
-                    cpu_native.fp16_linear(xs[m], w)
-            cpu_native.fp16_linear(xs["qkv"], ours_lm)
+                    cpu_native.packed_linear(xs[m], w)
+            cpu_native.packed_linear(xs["qkv"], ours_lm)
 
         def theirs():
             for m in SHAPES:

@@ -71,20 +71,29 @@ def native_threads() -> int:
     return cpu_native.threads()
 
 
-def fp16_linear_pack(weight, bias=None):
-    """A CPU linear layer's weight (and bias) held in fp16: panels for the native GEMM where it is built and
-    LORAPLEX_KERNELS is auto, else FBGEMM's packing. Read by fp16_linear."""
-    if dispatch.MODE == "auto" and cpu_native.fp16_weights_native():
-        return cpu_native.F16Panels(weight.float(), None if bias is None else bias.float())
+def linear_pack(weight, bias=None, half: bool = True):
+    """A CPU linear layer's weight (and bias) for packed_linear, in fp16 (half) or fp32: panels for the native
+    GEMM where it is built and LORAPLEX_KERNELS is auto; else, for fp16, FBGEMM's packing (fp32 has no
+    fallback here: callers pack fp32 only where panels_native())."""
+    if dispatch.MODE == "auto" and cpu_native.panels_native():
+        return cpu_native.Panels(weight.float(), None if bias is None else bias.float(), half)
+    if not half:
+        raise ValueError("fp32 packing needs the native GEMM (LORAPLEX_KERNELS=auto and a C compiler)")
     return reference.fp16_linear_pack(weight, bias)
 
 
-def fp16_linear(x, packed):
-    """x @ W.T + b [M, N] in fp32 with W from fp16_linear_pack (each weight read as its fp16 value): the GEMM
-    its packing was made for."""
-    if isinstance(packed, cpu_native.F16Panels):
-        return cpu_native.fp16_linear(x, packed)
+def packed_linear(x, packed):
+    """x @ W.T + b [M, N] in fp32 with W from linear_pack (each weight read as its stored value): the GEMM its
+    packing was made for."""
+    if isinstance(packed, cpu_native.Panels):
+        return cpu_native.packed_linear(x, packed)
     return reference.fp16_linear(x, packed)
+
+
+def native_panels(device, dtype) -> bool:
+    """Whether a model's fp32 CPU weights pack into panels for the native GEMM (native_layer_ops, and a vector
+    path for the GEMM on this CPU)."""
+    return native_layer_ops(device, dtype) and cpu_native.panels_native()
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -111,15 +120,16 @@ __all__ = [
     "add_rms_norm",
     "check_model",
     "copy_blocks",
-    "fp16_linear",
-    "fp16_linear_pack",
+    "linear_pack",
     "native_layer_ops",
+    "native_panels",
     "native_threads",
     "set_native_threads",
     "lora_expand_bgmv",
     "lora_expand_sgmv",
     "lora_shrink_bgmv",
     "lora_shrink_sgmv",
+    "packed_linear",
     "paged_attention_decode",
     "paged_attention_prefill",
     "remember_host_lengths",

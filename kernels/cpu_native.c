@@ -354,25 +354,30 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
     return failed ? -2 : 0;
 }
 
-/* ---- fp16-weight GEMM: y = x @ W.T + bias, x fp32, W stored fp16 in panels, products summed in fp32 ----
- * The weight [N, K] is packed (cpu_native.pack_f16_panels) as N / NB panels of [K, NB] (N padded with zero
- * rows to a multiple of NB): panel p holds columns p*NB .. p*NB+NB-1 of W.T, so one panel is one stream of
- * memory. Each panel is read once from memory and stays in cache while every tile of R rows of x passes
- * over it: R x NB outputs in registers, one fp16 -> fp32 conversion per weight per tile. */
+/* ---- GEMM over weights in panels: y = x @ W.T + bias, x fp32, W fp16 or fp32, products summed in fp32 ----
+ * The weight [N, K] is packed (cpu_native.Panels) as N / NB panels of [K, NB] (N padded with zero rows to a
+ * multiple of NB): panel p holds columns p*NB .. p*NB+NB-1 of W.T, so one panel is one stream of memory.
+ * Each panel is read once from memory and stays in cache while every tile of TILE_ROWS rows of x passes
+ * over it: TILE_ROWS x NB outputs in registers, fp16 weights converted to fp32 by F16C as they are loaded. */
 #ifdef LANES
 #define PANEL_VECS 4
 #define NB (LANES * PANEL_VECS)
 
-/* rows (<= TILE_ROWS, a constant after inlining) x NB outputs over one panel; cols < NB stores only those. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t x_stride, const uint16_t *panel,
+static inline __attribute__((always_inline)) vf load_weights(const void *panel, int64_t at, const int half) {
+    return half ? vf_load_h((const uint16_t *)panel + at) : vf_load((const float *)panel + at);
+}
+
+/* rows (<= TILE_ROWS) x NB outputs over one panel; cols < NB stores only those. rows and half are constants
+ * after inlining, so each count and weight type gets its own unrolled loop. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t x_stride, const void *panel,
                                                              int64_t k, const float *bias, float *y, int64_t y_stride,
-                                                             const int rows, int64_t cols) {
+                                                             const int rows, int64_t cols, const int half) {
     vf acc[TILE_ROWS][PANEL_VECS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_zero();
     for (int64_t i = 0; i < k; i++) {
         vf w[PANEL_VECS];
-        for (int v = 0; v < PANEL_VECS; v++) w[v] = vf_load_h(panel + i * NB + v * LANES);
+        for (int v = 0; v < PANEL_VECS; v++) w[v] = load_weights(panel, i * NB + v * LANES, half);
         for (int r = 0; r < rows; r++) {
             const vf xr = vf_bcast(x + r * x_stride + i);
             for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_fma(xr, w[v], acc[r][v]);
@@ -387,60 +392,86 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
     }
 }
 
-static void gemm_panel(const float *x, int64_t x_stride, const uint16_t *panel, int64_t k, const float *bias,
-                       float *y, int64_t y_stride, int64_t m, int64_t cols) {
+static inline __attribute__((always_inline)) void gemm_panel(const float *x, int64_t x_stride, const void *panel,
+                                                              int64_t k, const float *bias, float *y,
+                                                              int64_t y_stride, int64_t m, int64_t cols,
+                                                              const int half) {
+#define TILE(R) gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, R, cols, half)
     int64_t r = 0;
-    for (; r + TILE_ROWS <= m; r += TILE_ROWS)
-        gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, TILE_ROWS, cols);
-    switch (m - r) {  /* the last rows, each count its own unrolled tile */
+    for (; r + TILE_ROWS <= m; r += TILE_ROWS) TILE(TILE_ROWS);
+    switch (m - r) { /* the last rows, each count its own unrolled tile */
 #if TILE_ROWS > 5
-        case 5: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 5, cols); break;
-        case 4: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 4, cols); break;
-        case 3: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 3, cols); break;
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
 #endif
-        case 2: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 2, cols); break;
-        case 1: gemm_tile(x + r * x_stride, x_stride, panel, k, bias, y + r * y_stride, y_stride, 1, cols); break;
+        case 2: TILE(2); break;
+        case 1: TILE(1); break;
         default: break;
     }
+#undef TILE
+}
+
+static void gemm_panel_f16(const float *x, int64_t x_stride, const void *panel, int64_t k, const float *bias,
+                           float *y, int64_t y_stride, int64_t m, int64_t cols) {
+    gemm_panel(x, x_stride, panel, k, bias, y, y_stride, m, cols, 1);
+}
+
+static void gemm_panel_f32(const float *x, int64_t x_stride, const void *panel, int64_t k, const float *bias,
+                           float *y, int64_t y_stride, int64_t m, int64_t cols) {
+    gemm_panel(x, x_stride, panel, k, bias, y, y_stride, m, cols, 0);
 }
 #else
 #define NB 0
 #endif
 
-/* Panel width NB of lp_gemm_f16, or 0 when this CPU has no vector path for it (then it is not called). */
+/* Panel width NB of the GEMMs, or 0 when this CPU has no vector path for them (then they are not called). */
 int lp_gemm_panel_width(void) { return NB; }
 
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
- * W in panels. With several threads (lp_threads) the panels of a large weight (256K+ elements, or
- * 4M+ products) are handed out one at a time: a thread that loses its core to another process delays
- * only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
-void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+ * W in panels of fp16 (half) or fp32. With several threads (lp_threads) the panels of a large weight (256K+
+ * elements, or 4M+ products) are handed out one at a time: a thread that loses its core to another process
+ * delays only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
+static void gemm(const float *x, int64_t x_stride, const void *panels, const float *bias, float *y, int64_t y_stride,
+                 int64_t m, int64_t n, int64_t k, int half) {
 #ifdef LANES
-    const int64_t num_panels = (n + NB - 1) / NB;
+    const int64_t num_panels = (n + NB - 1) / NB, panel_bytes = k * NB * (half ? 2 : 4);
 #pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) \
     if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
-        gemm_panel(x, x_stride, panels + p * k * NB, k, bias ? bias + p * NB : NULL, y + p * NB, y_stride, m, cols);
+        const void *panel = (const char *)panels + p * panel_bytes;
+        (half ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k, bias ? bias + p * NB : NULL, y + p * NB,
+                                                 y_stride, m, cols);
     }
 #else
-    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,
+        (void)half;
 #endif
+}
+
+void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 1);
+}
+
+void lp_gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 0);
 }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 /* ---- a whole decode forward of the base model in one call: the ops above, in the model's order ---- */
 
-typedef struct { /* one layer's weights: norms, fp16 panels and their padded biases (NULL: none) */
+typedef struct { /* one layer's weights: norms, panels (fp16 or fp32) and their padded biases (NULL: none) */
     const float *input_norm, *post_norm;
-    const uint16_t *qkv, *o, *gate_up, *down;
+    const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 } lp_layer;
 
-typedef struct { /* the model's shapes */
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+typedef struct { /* the model's shapes, and its panels' type (half: fp16, else fp32) */
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, half;
     float eps, scale;
 } lp_shapes;
 
@@ -462,6 +493,7 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
                       float *out) {
     const int64_t rows = s->rows, hid = m->hidden, d = m->head_dim, qd = m->heads * d, kvd = m->kv_heads * d;
     const int64_t wqkv = qd + 2 * kvd, inter = m->intermediate;
+    const int half = m->half != 0;
     const int64_t layer_elems = s->num_blocks * s->block_size * kvd;
     float *buf = (float *)malloc((size_t)(rows * (2 * hid + wqkv + qd + 3 * inter)) * sizeof(float));
     if (!buf) return -2;
@@ -473,7 +505,7 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
         const lp_layer *w = layers + i;
         float *k_cache = s->kv_cache + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
         lp_add_rms_norm(h, hid, delta, hid, w->input_norm, x, hid, rows, hid, m->eps);
-        lp_gemm_f16(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid);
+        gemm(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid, half);
         rc = lp_rotate_qk(qkv, wqkv, m->heads, qkv + qd, wqkv, m->kv_heads, d, s->positions, rows, s->cos,
                           s->signed_sin, s->table_rows);
         if (!rc)
@@ -484,11 +516,11 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
                                  s->context_lens, rows, m->heads, m->kv_heads, d, s->block_size, s->num_blocks,
                                  m->scale);
         if (rc) break;
-        lp_gemm_f16(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd);
+        gemm(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd, half);
         lp_add_rms_norm(h, hid, proj, hid, w->post_norm, x, hid, rows, hid, m->eps);
-        lp_gemm_f16(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid);
+        gemm(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid, half);
         lp_silu_mul(gu, 2 * inter, gu + inter, 2 * inter, act, inter, rows, inter);
-        lp_gemm_f16(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter);
+        gemm(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter, half);
         delta = proj;
     }
     if (!rc) lp_add_rms_norm(h, hid, delta, hid, final_norm, out, hid, rows, hid, m->eps);

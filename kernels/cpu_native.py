@@ -2,9 +2,10 @@
 
 They serve fp32 CPU tensors where torch would take several small ops a call: the residual
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
-attention straight from the block table (no gathered copies); the fp16-weight GEMM
-(``F16Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA: 1.1-1.4x FBGEMM's on SmolLM2's
-layers); and a base-model decode step's whole forward (``DecodeForward``). `dispatch` routes
+attention straight from the block table (no gathered copies); the GEMM over weights packed
+in panels, fp16 or fp32 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA: 1.1-1.4x FBGEMM's
+fp16 and 1.8-2.5x MKL's fp32 on SmolLM2's layers); and a base-model decode step's whole
+forward (``DecodeForward``). `dispatch` routes
 a call here when ``serves`` says so and the library is built; else the torch reference runs.
 Without a C compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and
 every call takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
@@ -42,6 +43,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_write_kv": ([_P, _P, _P, _I, _P, _I, _P, _I, _I, _I], ctypes.c_int),
     "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
     "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
+    "lp_gemm_f32": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_panel_width": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
     "lp_set_threads": ([ctypes.c_int], None),
@@ -198,41 +200,44 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
-class F16Panels:
-    """A linear layer's weight [N, K] in fp16 for lp_gemm_f16: N / NB panels [K, NB] (N padded with zero rows),
-    one contiguous stream each, and its bias in fp32, padded the same way (or None)."""
+class Panels:
+    """A linear layer's weight [N, K] for the native GEMM, in fp16 (``half``) or fp32: N / NB panels [K, NB]
+    (N padded with zero rows), one contiguous stream each, and its bias in fp32 padded the same way (or None)."""
 
-    __slots__ = ("panels", "bias", "out_features", "in_features")
+    __slots__ = ("panels", "bias", "out_features", "in_features", "half")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, half: bool = True):
         width = library().lp_gemm_panel_width()
         n, k = weight.shape
         rows = -(-n // width) * width
         padded = torch.zeros(rows, k, dtype=torch.float32)
         padded[:n] = weight
-        self.panels = padded.view(rows // width, width, k).transpose(1, 2).contiguous().half()
-        self.out_features, self.in_features = n, k
+        panels = padded.view(rows // width, width, k).transpose(1, 2).contiguous()
+        self.panels = panels.half() if half else panels
+        self.out_features, self.in_features, self.half = n, k, half
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(rows, dtype=torch.float32)
             self.bias[:n] = bias
 
 
-def fp16_weights_native() -> bool:
-    """Whether fp16 weights pack for the native GEMM here (the library built with a vector path for it)."""
+def panels_native() -> bool:
+    """Whether weights pack for the native GEMM here (the library built with a vector path for it)."""
     lib = library()
     return lib is not None and lib.lp_gemm_panel_width() > 0
 
 
-def fp16_linear(x, weight: F16Panels):
-    """x [M, K] fp32 @ W.T + bias -> [M, N] fp32: each weight read as its fp16 value, products summed in fp32."""
+def packed_linear(x, weight: Panels):
+    """x [M, K] fp32 @ W.T + bias -> [M, N] fp32: each weight read as its stored (fp16 or fp32) value, products
+    summed in fp32."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, weight.out_features), dtype=torch.float32)
     bias = None if weight.bias is None else weight.bias.data_ptr()
-    library().lp_gemm_f16(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(),
-                          weight.out_features, m, weight.out_features, k)
+    gemm = library().lp_gemm_f16 if weight.half else library().lp_gemm_f32
+    gemm(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(), weight.out_features, m,
+         weight.out_features, k)
     return out
 
 
@@ -243,7 +248,7 @@ class _Layer(ctypes.Structure):
 
 class _Shapes(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                   "intermediate")]
+                                                   "intermediate", "half")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -255,7 +260,7 @@ class _Step(ctypes.Structure):
                 ("block_size", ctypes.c_int64)]
 
 
-def _ptr(panels: F16Panels | None, bias: bool = False):
+def _ptr(panels: Panels | None, bias: bool = False):
     if panels is None:
         return None
     tensor = panels.bias if bias else panels.panels
@@ -265,7 +270,8 @@ def _ptr(panels: F16Panels | None, bias: bool = False):
 class DecodeForward:
     """A base-model decode step's whole forward in one native call (lp_decode_forward): the same ops in the
     same order as LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a
-    layer. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: F16Panels};
+    layer. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: Panels of
+    one type};
     the tensors must outlive this object (the model holds them)."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -277,7 +283,7 @@ class DecodeForward:
             for w in layers])
         hidden = final_norm.shape[0]
         self._shapes = _Shapes(len(layers), hidden, heads, kv_heads, head_dim, layers[0]["down_proj"].in_features,
-                               eps, scale)
+                               int(layers[0]["qkv"].half), eps, scale)
         self._final_norm, self._cos, self._signed_sin = final_norm, cos, signed_sin
 
     def __call__(self, h, positions, slot_mapping, block_tables, context_lens, kv_cache) -> torch.Tensor:

@@ -83,9 +83,11 @@ class LlamaModel:
     """Weights of a LLaMA-family checkpoint and its forward pass.
 
     ``fp16_weights`` (CPU, fp32): the projections and ``lm_head`` keep their weights in fp16
-    and multiply in fp32 (kernels.fp16_linear: the native GEMM, else FBGEMM), reading half the
+    and multiply in fp32 (kernels.packed_linear: the native GEMM, else FBGEMM), reading half the
     bytes; the embedding is rounded the same way, so a tied ``lm_head`` and the lookups see one
-    set of values. q/k/v and gate/up are packed together (FUSED).
+    set of values. Without it, fp32 on the CPU packs the same weights as fp32 panels where the
+    native GEMM is built (1.8-2.5x MKL's at 1-48 rows). Packed weights take q/k/v and gate/up
+    together (FUSED); a decode step without adapters then runs in one native call.
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None,
@@ -111,38 +113,48 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight")
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
-        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.fp16_linear_pack
+        self.fp16_weights = fp16_weights
+        self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.linear_pack
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
         self.native_decode = None  # cpu_native.DecodeForward: a base-model decode step in one native call
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         if fp16_weights:
-            self._pack_fp16()
+            if torch.device(device).type != "cpu" or dtype != torch.float32:
+                raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
+            self._pack(half=True)
+        elif kernels.native_panels(device, dtype):
+            self._pack(half=False)
         elif torch.device(device).type == "cpu" and dtype == torch.float32:
             # one mm over a contiguous W.T: 1.1-2.5x faster than linear for a decode's 1-64 rows (32k vocab)
             self.lm_head_t = self.lm_head.t().contiguous()
             if self.lm_head is not self.embed:
                 self.lm_head = None  # only the transposed copy is read
 
-    def _pack_fp16(self) -> None:
-        if torch.device(self.device).type != "cpu" or self.dtype != torch.float32:
-            raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
+    def _pack(self, half: bool) -> None:
+        """The projections and lm_head packed by kernels.linear_pack (fp16 if half, else fp32), FUSED merged."""
         tied = self.lm_head is self.embed
-        self.embed = self.embed.half().float()  # the values the packed weights hold
-        self.packed_lm_head = kernels.fp16_linear_pack(self.embed if tied else self.lm_head)
-        self.lm_head = self.embed if tied else self.lm_head.half().float()
+        if half:
+            self.embed = self.embed.half().float()  # the values the packed weights hold
+        self.packed_lm_head = kernels.linear_pack(self.embed if tied else self.lm_head, half=half)
+        if tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self.lm_head.half().float() if half else None  # fp32: only the panels are read
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
         self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
         for layer in self.layers:
-            pack = kernels.fp16_linear_pack
+            def pack(weight, bias):
+                return kernels.linear_pack(weight, bias, half=half)
+
             packed = {m: pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
             for name, parts in FUSED.items():
                 packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
-        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.F16Panels):
+        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels):
             self.native_decode = cpu_native.DecodeForward(
                 [{**layer, **packed} for layer, packed in zip(self.layers, self.packed)], self.norm, self.rope.cos,
                 self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
@@ -164,7 +176,7 @@ class LlamaModel:
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         if self.packed is not None:
-            y = kernels.fp16_linear(x, self.packed[layer_idx][module])
+            y = kernels.packed_linear(x, self.packed[layer_idx][module])
         else:
             layer = self.layers[layer_idx]
             y = F.linear(x, layer[module], layer.get(module + ".bias"))
@@ -177,7 +189,7 @@ class LlamaModel:
         modules = FUSED[fused]
         if self.packed is None:
             return tuple(self._proj(layer_idx, m, x, lora) for m in modules)
-        ys = kernels.fp16_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
+        ys = kernels.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         if lora is not None:
             for y, m in zip(ys, modules):
                 _add_lora(y, x, lora, layer_idx, m)
@@ -216,7 +228,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in fp32."""
         if self.packed_lm_head is not None:
-            return kernels.fp16_linear(hidden, self.packed_lm_head)
+            return kernels.packed_linear(hidden, self.packed_lm_head)
         if self.lm_head_t is not None:
             return torch.mm(hidden, self.lm_head_t)
         return F.linear(hidden, self.lm_head).float()

@@ -41,12 +41,12 @@ def rounded(lora_family, tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
 def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch, kernel_mode):
-    from loraplex.kernels.cpu_native import F16Panels
+    from loraplex.kernels.cpu_native import Panels
 
     family, oracle = rounded(arch)
     engine = make_engine(family, weight_dtype="float16")
     assert engine.model.packed is not None and engine.model.layers[0]["q_proj"] is None  # no fp32 copy kept
-    native = isinstance(engine.model.packed[0]["qkv"], F16Panels)
+    native = isinstance(engine.model.packed[0]["qkv"], Panels)
     assert native == (kernel_mode == "auto")  # auto: the native GEMM; reference: FBGEMM
     moved = 0.0
     for ids, name, want, _ in logits_match_peft(engine, family, oracle.model_dir):

@@ -152,22 +152,30 @@ def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog):
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fp16_gemm_matches_the_rounded_weights(rows, threads):
-    if not cpu_native.fp16_weights_native():
-        pytest.skip("this CPU has no vector path for the native fp16 GEMM (FBGEMM serves it)")
+@pytest.mark.parametrize("half", [True, False], ids=["fp16", "fp32"])
+def test_panel_gemm_matches_the_stored_weights(rows, threads, half):
+    if not cpu_native.panels_native():
+        pytest.skip("this CPU has no vector path for the native GEMM (FBGEMM and MKL serve it)")
     gen = torch.Generator().manual_seed(6)
     n, k = 3 * cpu_native.library().lp_gemm_panel_width() + 5, 200  # a partial last panel
     weight, bias = randn(n, k, dtype=torch.float32, gen=gen), randn(n, dtype=torch.float32, gen=gen)
+    stored = (weight.half() if half else weight).double()  # the values the GEMM reads
     x = randn(rows, k + 3, dtype=torch.float32, gen=gen)[:, :k]  # strided rows
-    packed = kernels.fp16_linear_pack(weight, bias)
-    assert isinstance(packed, cpu_native.F16Panels)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    packed = kernels.linear_pack(weight, bias, half=half)
+    assert isinstance(packed, cpu_native.Panels)
+    before = cpu_native.threads()
+    cpu_native.set_threads(threads)
     try:
-        got = kernels.fp16_linear(x, packed)
+        got = kernels.packed_linear(x, packed)
     finally:
-        torch.set_num_threads(before)
-    want = torch.addmm(bias.double(), x.double(), weight.half().double().T).float()
-    assert_close(got, want, torch.float32)
-    no_bias = kernels.fp16_linear(x.contiguous(), kernels.fp16_linear_pack(weight))
-    assert_close(no_bias, (x.double() @ weight.half().double().T).float(), torch.float32)
+        cpu_native.set_threads(before)
+    assert_close(got, torch.addmm(bias.double(), x.double(), stored.T).float(), torch.float32)
+    no_bias = kernels.packed_linear(x.contiguous(), kernels.linear_pack(weight, half=half))
+    assert_close(no_bias, (x.double() @ stored.T).float(), torch.float32)
+
+
+def test_fp32_packing_needs_the_native_gemm(monkeypatch):
+    monkeypatch.setattr(dispatch, "MODE", "reference")
+    assert not isinstance(kernels.linear_pack(torch.ones(4, 4)), cpu_native.Panels)  # FBGEMM's fp16 packing
+    with pytest.raises(ValueError, match="fp32 packing needs the native GEMM"):
+        kernels.linear_pack(torch.ones(4, 4), half=False)
