@@ -345,7 +345,7 @@ def test_max_queued_requests_refuses_and_max_concurrent_requests_queues(triton_s
         results[name] = stream_generate(triton_server.grpc_url, name, {"max_tokens": max_tokens,
                                                                         "ignore_eos": True}, headers=headers)
 
-    running = threading.Thread(target=run, args=("running", 400))
+    running = threading.Thread(target=run, args=("running", 1000))  # in flight for 0.5 s and more
     running.start()
     assert wait_for_metric(triton_server, "loraplex_num_sequences", 1.0, state="running") == 1.0
     waiting = threading.Thread(target=run, args=("waiting", 4))

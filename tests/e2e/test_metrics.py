@@ -72,7 +72,7 @@ def traffic(triton_server, demo):
     upload_adapter(triton_server.grpc_url, "mine", demo["demo-a"], headers=key("alpha"))
     assert "max_tokens must be >= 1" in str(generate(triton_server, "beta", "x", {"max_tokens": 0}).error)
     assert "LoRA nope is not supported" in str(generate(triton_server, "beta", "x", {"lora_name": "nope"}).error)
-    timed_out = generate(triton_server, "beta", "slow", {"max_tokens": 900, "timeout": 0.2}, return_finish_reason=True)
+    timed_out = generate(triton_server, "beta", "slow", {"max_tokens": 1000, "timeout": 0.05}, return_finish_reason=True)
     assert timed_out.error is None and timed_out.responses[-1]["finish_reason"] == ["timeout"]
     cancel_after_first_response(triton_server, "beta")
     assert generate(triton_server, "gamma", "within quota", {"max_tokens": 2}).error is None

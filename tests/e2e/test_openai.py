@@ -254,7 +254,7 @@ def _kv_used(server) -> float:
 
 
 def test_a_client_that_disconnects_cancels_its_request_and_frees_the_kv_blocks(triton_server, gateway):
-    body = {"model": "demo-b", "prompt": "run long", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    body = {"model": "demo-b", "prompt": "run long", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEYS['acme']}"}
     aborted = scrape(triton_server, "loraplex_request_finished_total", tenant="acme", finish_reason="abort") or 0
     r = requests.post(f"{gateway}/v1/completions", json={**body, "stream": True}, headers=headers, stream=True,
@@ -264,7 +264,7 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_the_kv_blocks(t
     r.close()  # the stream is cut mid-generation
     assert _kv_used(triton_server) == 0.0
     with pytest.raises(requests.Timeout):  # non-streamed: the client gives up waiting
-        requests.post(f"{gateway}/v1/completions", json=body, headers=headers, timeout=1.5)
+        requests.post(f"{gateway}/v1/completions", json=body, headers=headers, timeout=0.3)  # 1000 tokens: 0.5 s+
     assert _kv_used(triton_server) == 0.0
     assert wait_for_metric(triton_server, "loraplex_request_finished_total", aborted + 2, tenant="acme",
                            finish_reason="abort") == aborted + 2  # both were cancelled, not run to the end
