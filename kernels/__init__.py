@@ -52,12 +52,13 @@ def rotate_qk(q, k, positions, cos, signed_sin):
     return run("rotate_qk", q, k, positions, cos, signed_sin)
 
 
-def native_layer_ops(device, dtype) -> bool:
+def native_layer_ops(device, dtype, head_dim: int) -> bool:
     """Whether a model on device in dtype calls cpu_native's layer ops (add_rms_norm, silu_mul, rotate_qk,
-    write_kv, paged_attention_decode) directly: fp32 on the CPU, mode auto, the library built. Direct calls
-    skip the per-call checks (3-7 us each); a model's own tensors have the layouts they take."""
+    write_kv, paged_attention_decode) directly: fp32 on the CPU, mode auto, the library built, a head dim it
+    takes. Direct calls skip the per-call checks (3-7 us each); a model's own tensors have the layouts they take."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32 and dispatch.MODE == "auto"
-            and cpu_native.library() is not None)
+            and cpu_native.library() is not None and head_dim % 2 == 0
+            and head_dim <= cpu_native.library().lp_max_head_dim())
 
 
 def set_native_threads(n: int) -> None:
@@ -90,10 +91,10 @@ def packed_linear(x, packed):
     return reference.fp16_linear(x, packed)
 
 
-def native_panels(device, dtype) -> bool:
+def native_panels(device, dtype, head_dim: int) -> bool:
     """Whether a model's fp32 CPU weights pack into panels for the native GEMM (native_layer_ops, and a vector
     path for the GEMM on this CPU)."""
-    return native_layer_ops(device, dtype) and cpu_native.panels_native()
+    return native_layer_ops(device, dtype, head_dim) and cpu_native.panels_native()
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):

@@ -5,10 +5,10 @@ add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and 
 attention straight from the block table (no gathered copies); the GEMM over weights packed
 in panels, fp16 or fp32 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA: 1.1-1.4x FBGEMM's
 fp16 and 1.8-2.5x MKL's fp32 on SmolLM2's layers); and a base-model decode step's whole
-forward (``DecodeForward``). `dispatch` routes
-a call here when ``serves`` says so and the library is built; else the torch reference runs.
-Without a C compiler (``$CC``, else ``cc``) or when the build fails, one warning is logged and
-every call takes the reference. ``LORAPLEX_KERNELS=reference`` keeps them off.
+forward (``DecodeForward``). `dispatch` routes a call here when ``serves`` says so and the
+library is built; else the torch reference runs. Without a C compiler (``$CC``, else ``cc``)
+or when the build fails, one warning is logged and every call takes the reference.
+``LORAPLEX_KERNELS=reference`` keeps them off.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from .cpu_runner import cache_dir
 log = logging.getLogger("loraplex.kernels")
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # -ffp-contract=off: no fused multiply-adds, so the elementwise ops round as torch's do (RoPE: the same values);
-# -fopenmp: the loops marked `omp simd` vectorize (reductions in lanes) without -ffast-math, and the decode
-# attention's parallel loop runs on torch's own OpenMP threads (libgomp.so.1, which torch has already loaded).
+# -fopenmp: the loops marked `omp simd` vectorize (reductions in lanes) without -ffast-math, and the GEMM's and
+# decode attention's parallel loops run on torch's own OpenMP runtime (libgomp.so.1, which torch has loaded).
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 OPS = ("add_rms_norm", "silu_mul", "rotate_qk", "write_kv", "paged_attention_decode")
 

@@ -104,7 +104,8 @@ class LlamaModel:
         self.scale = self.head_dim**-0.5
         # ops whose kernel cannot serve this model -> why (logged once); they take the torch path
         self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
-        self.ops = cpu_native if kernels.native_layer_ops(device, dtype) else kernels  # the layer ops it calls
+        native = kernels.native_layer_ops(device, dtype, self.head_dim)
+        self.ops = cpu_native if native else kernels  # the layer ops it calls: native directly, or dispatched
         w = load_safetensors(model_dir, dtype, device)
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
@@ -123,7 +124,7 @@ class LlamaModel:
             if torch.device(device).type != "cpu" or dtype != torch.float32:
                 raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
             self._pack(half=True)
-        elif kernels.native_panels(device, dtype):
+        elif kernels.native_panels(device, dtype, self.head_dim):
             self._pack(half=False)
         elif torch.device(device).type == "cpu" and dtype == torch.float32:
             # one mm over a contiguous W.T: 1.1-2.5x faster than linear for a decode's 1-64 rows (32k vocab)
