@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -145,10 +146,8 @@ class LlamaModel:
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
         self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
+        pack = functools.partial(kernels.linear_pack, half=half)
         for layer in self.layers:
-            def pack(weight, bias):
-                return kernels.linear_pack(weight, bias, half=half)
-
             packed = {m: pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
             for name, parts in FUSED.items():
                 packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
