@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -24,6 +25,7 @@ from .responder import Responder
 log = logging.getLogger("loraplex.triton")
 
 UNLOAD_POLL_SECONDS = 1.0  # how often the model asks Triton whether it is still ready (one IPC round trip)
+STOP_FILE_POLL_SECONDS = 0.1  # how often it looks for the launcher's stop file (one stat)
 
 INPUT_NAMES = (
     "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
@@ -66,10 +68,14 @@ class TritonPythonModel:
         """
         was_ready = False
         stop_file = os.environ.get(STOP_FILE_ENV)  # set by a launcher (loraplex-serve, the test fixtures)
-        while not self._finalizing.wait(UNLOAD_POLL_SECONDS if was_ready else 0.05):  # ready within ms of start
+        asked = 0.0  # when Triton was last asked
+        while not self._finalizing.wait(STOP_FILE_POLL_SECONDS if was_ready else 0.05):  # ready within ms of start
             if stop_file and os.path.exists(stop_file):
                 log.info("the server is being stopped (%s): ending the requests model %s holds", stop_file, name)
                 break
+            if was_ready and time.monotonic() - asked < UNLOAD_POLL_SECONDS:
+                continue
+            asked = time.monotonic()
             try:
                 ready = pb_utils.is_model_ready(name, version)
             except Exception as exc:  # noqa: BLE001 - a stopping server answers "Server not ready"

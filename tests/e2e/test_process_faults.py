@@ -84,7 +84,7 @@ def test_the_stop_file_ends_each_in_flight_stream_with_the_shutdown_error(tmp_pa
         stop_file = Path(stop_file.decode())
         stop_file.touch()
         try:
-            wait_ended(streams, timeout=10)  # the model polls it every second
+            wait_ended(streams, timeout=10)  # the model looks for it every 0.1 s
             for s in streams:
                 kind, _, text = s.only_ending()
                 assert kind == "error" and "the model is shutting down" in text, text
