@@ -160,12 +160,19 @@ class ModelRunner:
         if max(slot_list) < 0:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
+        if is_decode and self._native_lora():  # one native call adds each row's delta
+            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
         if self._torch_lora:
             return self._torch_lora_batch(slots, cu, is_decode)
         if is_decode:
             return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
         seg_starts, seg_slots = _segments(slots, cu)
         return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
+
+    def _native_lora(self) -> bool:
+        """Whether the model's one-call decode forward adds this runner's LoRA stacks."""
+        native = self.model.native_decode
+        return native is not None and native.serves_lora(self.lora_slots)
 
     def _torch_lora_batch(self, slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> LoraBatch:
         """Runs of DENSE_LORA_MIN_ROWS rows or more on one adapter (the whole batch, prefill chunks) by two

@@ -4,8 +4,9 @@ They serve fp32 CPU tensors where torch would take several small ops a call: the
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
 attention straight from the block table (no gathered copies); the GEMM over weights packed
 in panels, fp16 or fp32 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA: 1.1-1.4x FBGEMM's
-fp16 and 1.8-2.5x MKL's fp32 on SmolLM2's layers); and a base-model decode step's whole
-forward (``DecodeForward``). `dispatch` routes a call here when ``serves`` says so and the
+fp16 and 1.8-2.5x MKL's fp32 on SmolLM2's layers); the decode step's LoRA deltas (``lora_add``,
+BGMV: each adapter's A and B.T read once for its rows); and a decode step's whole forward,
+LoRA deltas included (``DecodeForward``). `dispatch` routes a call here when ``serves`` says so and the
 library is built; else the torch reference runs. Without a C compiler (``$CC``, else ``cc``)
 or when the build fails, one warning is logged and every call takes the reference.
 ``LORAPLEX_KERNELS=reference`` keeps them off.
@@ -33,6 +34,8 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # -fopenmp: the loops marked `omp simd` vectorize (reductions in lanes) without -ffast-math, and the GEMM's and
 # decode attention's parallel loops run on torch's own OpenMP runtime (libgomp.so.1, which torch has loaded).
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+# the projections whose LoRA stacks lp_decode_forward takes, in its order (LoraSlots keys its stacks by these)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 OPS = ("add_rms_norm", "silu_mul", "rotate_qk", "write_kv", "paged_attention_decode")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -48,7 +51,8 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_max_head_dim": ([], ctypes.c_int),
     "lp_set_threads": ([ctypes.c_int], None),
     "lp_threads": ([], ctypes.c_int),
-    "lp_decode_forward": ([_P, _P, _P, _P, _P, _P], ctypes.c_int),
+    "lp_decode_forward": ([_P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
+    "lp_lora_add": ([_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
 }
 
 
@@ -257,7 +261,33 @@ class _Step(ctypes.Structure):
                 ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("max_blocks", ctypes.c_int64), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
                 ("table_rows", ctypes.c_int64), ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
-                ("block_size", ctypes.c_int64)]
+                ("block_size", ctypes.c_int64), ("token_slots", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
+                ("max_rank", ctypes.c_int64)]
+
+
+class _LoraModule(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("a", "bt", "ranks", "scales")]
+
+
+def lora_stacks_native(a: torch.Tensor, b_t: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether one projection's slot stacks (A [S, R, in], B.T [S, R, out], ranks, scales) suit lora_add."""
+    return (_dense(a, torch.float32) and _dense(b_t, torch.float32) and _dense(ranks, torch.int32)
+            and _dense(scales, torch.float32))
+
+
+def lora_add(y, x, token_slots, a, b_t, ranks, scales) -> None:
+    """y [T, out] += scale * (x[t] @ A[slot].T) @ B[slot].T for each row t on an adapter (token_slots int32, -1:
+    none), ranks from ranks[slot]: the decode step's BGMV, rows of one slot read its A and B.T once."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_slots, max_rank, out = b_t.shape
+    rc = library().lp_lora_add(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
+                               token_slots.data_ptr(), a.data_ptr(), b_t.data_ptr(), ranks.data_ptr(),
+                               scales.data_ptr(), num_slots, max_rank, a.shape[2], out)
+    if rc == -1:
+        raise IndexError(f"lora_add: an adapter slot is past the {num_slots} slots")
+    if rc:
+        raise MemoryError("lora_add: no memory for the plan")
 
 
 def _ptr(panels: Panels | None, bias: bool = False):
@@ -268,9 +298,9 @@ def _ptr(panels: Panels | None, bias: bool = False):
 
 
 class DecodeForward:
-    """A base-model decode step's whole forward in one native call (lp_decode_forward): the same ops in the
-    same order as LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a
-    layer. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: Panels of
+    """A decode step's whole forward in one native call (lp_decode_forward): the same ops in the same order as
+    LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a layer; with
+    adapters, each projection adds its rows' deltas as lora_add does. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: Panels of
     one type};
     the tensors must outlive this object (the model holds them)."""
 
@@ -285,19 +315,41 @@ class DecodeForward:
         self._shapes = _Shapes(len(layers), hidden, heads, kv_heads, head_dim, layers[0]["down_proj"].in_features,
                                int(layers[0]["qkv"].half), eps, scale)
         self._final_norm, self._cos, self._signed_sin = final_norm, cos, signed_sin
+        self._lora = None  # (LoraSlots, its stacks as _LoraModule [layers * 7]) once serves_lora accepted them
 
-    def __call__(self, h, positions, slot_mapping, block_tables, context_lens, kv_cache) -> torch.Tensor:
-        """h [T, hidden] fp32 embeddings (updated in place) -> hidden states after the final norm; writes K/V."""
+    def serves_lora(self, slots) -> bool:
+        """Whether this forward can add LoraSlots slots' deltas (fp32 CPU stacks; B kept as B.T contiguous)."""
+        if self._lora is not None and self._lora[0] is slots:
+            return True
+        if not all(lora_stacks_native(slots.a[i][m], slots.b_t[i][m], slots.ranks[i][m], slots.scales[i][m])
+                   for i in range(self._shapes.num_layers) for m in LORA_MODULES):
+            return False
+        modules = [_LoraModule(slots.a[i][m].data_ptr(), slots.b_t[i][m].data_ptr(), slots.ranks[i][m].data_ptr(),
+                               slots.scales[i][m].data_ptr()) for i in range(self._shapes.num_layers) for m in LORA_MODULES]
+        self._lora = slots, (_LoraModule * len(modules))(*modules)  # the stacks are filled in place, never moved
+        return True
+
+    def __call__(self, h, positions, slot_mapping, block_tables, context_lens, kv_cache, lora_slots=None,
+                 token_slots=None) -> torch.Tensor:
+        """h [T, hidden] fp32 embeddings (updated in place) -> hidden states after the final norm; writes K/V.
+        With lora_slots (which serves_lora accepted) and token_slots (int32 [T], -1: none), each projection
+        adds its rows' LoRA deltas."""
         rows = h.shape[0]
         out = torch.empty_like(h)
+        lora, slots_ptr, num_slots, max_rank = None, None, 0, 0
+        if lora_slots is not None:
+            if not self.serves_lora(lora_slots):
+                raise ValueError("decode forward: these LoRA stacks are not fp32 CPU stacks")
+            lora, slots_ptr = self._lora[1], token_slots.data_ptr()
+            num_slots, max_rank = lora_slots.max_loras, lora_slots.max_rank
         step = _Step(rows, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
                      context_lens.data_ptr(), block_tables.stride(0), block_tables.shape[1], self._cos.data_ptr(),
                      self._signed_sin.data_ptr(), self._cos.shape[0], kv_cache.data_ptr(), kv_cache.shape[2],
-                     kv_cache.shape[3])
+                     kv_cache.shape[3], slots_ptr, num_slots, max_rank)
         rc = library().lp_decode_forward(ctypes.byref(self._shapes), self._layers, self._final_norm.data_ptr(),
-                                         ctypes.byref(step), h.data_ptr(), out.data_ptr())
+                                         ctypes.byref(step), lora, h.data_ptr(), out.data_ptr())
         if rc == -1:
-            raise IndexError("decode forward: a position, slot or block is outside its table")
+            raise IndexError("decode forward: a position, slot, block or adapter slot is outside its table")
         if rc:
             raise MemoryError("decode forward: no memory for the activations")
         return out

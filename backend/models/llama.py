@@ -34,7 +34,11 @@ class AttentionBatch:
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which adapter slot each token uses (-1 = base model): rows for decode, segments for prefill."""
+    """Which adapter slot each token uses (-1 = base model): rows for decode, segments for prefill.
+
+    A decode step with per-row slots and no torch-path plan (dense_runs None) runs in one native call
+    where the model has one (LlamaModel.native_decode), its LoRA deltas added inside.
+    """
 
     slots: object  # LoraSlots (stacks per layer and module)
     token_slots: torch.Tensor | None  # int32 [T]; used by decode, and the torch path's rows left (BGMV)
@@ -88,7 +92,7 @@ class LlamaModel:
     bytes; the embedding is rounded the same way, so a tied ``lm_head`` and the lookups see one
     set of values. Without it, fp32 on the CPU packs the same weights as fp32 panels where the
     native GEMM is built (1.8-2.5x MKL's at 1-48 rows). Packed weights take q/k/v and gate/up
-    together (FUSED); a decode step without adapters then runs in one native call.
+    together (FUSED); a decode step then runs in one native call, its LoRA deltas included.
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None,
@@ -201,9 +205,10 @@ class LlamaModel:
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
         ops, h = self.ops, self.embed[input_ids]
-        if lora is None and attn.is_decode and self.native_decode is not None:
+        if attn.is_decode and self.native_decode is not None and (lora is None or lora.dense_runs is None):
+            slots, token_slots = (None, None) if lora is None else (lora.slots, lora.token_slots)
             return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,
-                                      kv_cache)
+                                      kv_cache, slots, token_slots)
         t, delta = h.shape[0], None
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, delta, layer["input_norm"], self.eps)

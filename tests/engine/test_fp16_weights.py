@@ -72,17 +72,12 @@ def test_fp16_weights_are_a_cpu_fp32_option(lora_family):
         make_engine(lora_family("llama-gqa"), weight_dtype="float16", dtype="bfloat16")
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
-def test_native_decode_forward_gives_the_per_op_values(lora_family, arch):
-    """A base-model decode step in one native call (DecodeForward) against the same model op by op."""
+def _decode_step(model, block_size: int):
+    """A decode step of three sequences (contexts 1, 6 and 17) over a random cache: (ids, attn, kv)."""
     import torch
 
     from loraplex.models.llama import AttentionBatch
 
-    engine = make_engine(lora_family(arch), weight_dtype="float16")
-    model, block_size = engine.model, 4
-    if model.native_decode is None:
-        pytest.skip("no native fp16 GEMM on this CPU")
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(model.allocate_kv_cache(12, block_size).shape, generator=gen)
     lens = [1, 6, 17]
@@ -92,13 +87,66 @@ def test_native_decode_forward_gives_the_per_op_values(lora_family, arch):
                           for b, p in enumerate(positions.tolist())])
     attn = AttentionBatch(positions, slots, tables, torch.tensor(lens, dtype=torch.int32),
                           torch.arange(4, dtype=torch.int32), True)
-    ids = torch.tensor([5, 17, 3])
+    return torch.tensor([5, 17, 3]), attn, kv
+
+
+def _one_call_and_per_op(model, ids, attn, kv, one_call_lora=None, per_op_lora=None):
+    """(hidden, kv) of the step in one native call, then op by op (the native forward set aside)."""
     fused_kv, per_op_kv = kv.clone(), kv.clone()
-    fused = model.forward(ids, attn, fused_kv, None)
+    fused = model.forward(ids, attn, fused_kv, one_call_lora)
     native, model.native_decode = model.native_decode, None
     try:
-        per_op = model.forward(ids, attn, per_op_kv, None)
+        per_op = model.forward(ids, attn, per_op_kv, per_op_lora)
     finally:
         model.native_decode = native
+    return (fused, fused_kv), (per_op, per_op_kv)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_native_decode_forward_gives_the_per_op_values(lora_family, arch):
+    """A base-model decode step in one native call (DecodeForward) against the same model op by op."""
+    import torch
+
+    engine = make_engine(lora_family(arch), weight_dtype="float16")
+    model = engine.model
+    if model.native_decode is None:
+        pytest.skip("no native fp16 GEMM on this CPU")
+    ids, attn, kv = _decode_step(model, 4)
+    (fused, fused_kv), (per_op, per_op_kv) = _one_call_and_per_op(model, ids, attn, kv)
     assert torch.equal(fused, per_op) and torch.equal(fused_kv, per_op_kv)
     assert not torch.equal(fused_kv, kv)  # the new K/V were written
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_native_decode_forward_adds_each_rows_adapter_as_the_torch_path_does(lora_family, arch, weight_dtype):
+    """Rows on two adapters and the base model, in one native call (its BGMV) against the torch path's slot
+    tiles op by op: the same sums in another order, so within fp32 rounding; the base row exactly alike."""
+    import numpy as np
+    import torch
+
+    from loraplex.models.llama import LoraBatch
+
+    family = lora_family(arch)
+    engine = make_engine(family, weight_dtype=weight_dtype)
+    model, runner = engine.model, engine.runner
+    if model.native_decode is None:
+        pytest.skip("no native GEMM on this CPU")
+    names = sorted(family.adapters)[:2]
+    engine.generate([engine.make_request(n, "Hi", SamplingParams(max_tokens=1, lora_name=n)) for n in names])
+    slots = np.array([engine.adapters.slot_of(names[0]), -1, engine.adapters.slot_of(names[1])], np.int32)
+    ids, attn, kv = _decode_step(model, 4)
+    one_call = LoraBatch(runner.lora_slots, torch.from_numpy(slots), None, None, True)
+    tiles = runner._torch_lora_batch(slots, np.arange(4), True)
+    assert tiles.tiles is not None
+    (fused, fused_kv), (per_op, per_op_kv) = _one_call_and_per_op(model, ids, attn, kv, one_call, tiles)
+    (base, _), _ = _one_call_and_per_op(model, ids, attn, kv)
+    torch.testing.assert_close(fused, per_op, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_kv, per_op_kv, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused[1], base[1])  # the base model's row gets nothing
+    for row in (0, 2):  # and the adapters' rows moved
+        assert (fused[row] - base[row]).abs().max() > 1e-3
+    bad = LoraBatch(runner.lora_slots, torch.tensor([0, runner.lora_slots.max_loras, -1], dtype=torch.int32), None,
+                    None, True)
+    with pytest.raises(IndexError, match="adapter slot"):
+        model.forward(ids, attn, kv.clone(), bad)

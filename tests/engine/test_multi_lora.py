@@ -317,9 +317,12 @@ def test_torch_path_matches_peft(lora_family, lora_arch, path):
         assert nxt == tiles[1]
 
 
-def test_the_runner_hands_dense_runs_where_they_pay(lora_family):
+def test_the_runner_hands_dense_runs_where_they_pay(lora_family, kernel_mode):
+    # the torch path plans dense runs and tiles; with the native one-call forward a decode step hands per-row slots
     family = lora_family("llama-gqa")
     engine = make_engine(family)
+    native = engine.model.native_decode is not None
+    assert native == (kernel_mode == "auto")
     seen = []
     build = engine.runner._lora_batch
     engine.runner._lora_batch = lambda *args: seen.append(build(*args)) or seen[-1]
@@ -330,8 +333,14 @@ def test_the_runner_hands_dense_runs_where_they_pay(lora_family):
         engine.generate([engine.make_request(p, p, greedy(3, lora)) for p, lora in zip(prompts, loras)])
         decodes = [batch for batch in seen if batch.is_decode]
         one_adapter = loras == [name, name]  # two rows on one adapter: a dense run; else slot tiles
-        assert decodes and all(bool(batch.dense_runs) == one_adapter for batch in decodes)
-        assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
+        assert decodes
+        if native:  # each row's slot, -1 for the base model's
+            on_adapter = sorted(lora is not None for lora in loras)
+            assert all(batch.dense_runs is None and batch.tiles is None for batch in decodes)
+            assert all(sorted(s >= 0 for s in batch.token_slots.tolist()) == on_adapter for batch in decodes)
+        else:
+            assert all(bool(batch.dense_runs) == one_adapter for batch in decodes)
+            assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
         prefill = next(batch for batch in seen if not batch.is_decode)  # long runs: dense, base rows in none
         covered = sum(end - start for start, end, _ in prefill.dense_runs)
         assert covered == sum(len(engine.tokenizer(p).input_ids) for p, lora in zip(prompts, loras) if lora)

@@ -179,3 +179,48 @@ def test_fp32_packing_needs_the_native_gemm(monkeypatch):
     assert not isinstance(kernels.linear_pack(torch.ones(4, 4)), cpu_native.Panels)  # FBGEMM's fp16 packing
     with pytest.raises(ValueError, match="fp32 packing needs the native GEMM"):
         kernels.linear_pack(torch.ones(4, 4), half=False)
+
+
+def _lora_stacks(num_slots, max_rank, k, n, ranks, gen):
+    """Slot stacks as LoraSlots keeps them on the CPU: A [S, R, in], B.T [S, R, out], NaN past each rank."""
+    a = randn(num_slots, max_rank, k, dtype=torch.float32, gen=gen)
+    b_t = randn(num_slots, max_rank, n, dtype=torch.float32, gen=gen)
+    for s, r in enumerate(ranks):
+        a[s, r:], b_t[s, r:] = float("nan"), float("nan")  # never read
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    return a, b_t, torch.tensor(ranks, dtype=torch.int32), scales
+
+
+@pytest.mark.parametrize("rows", [1, 6, 7, 48])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("k", "n"), [(64, 80), (37, 19)], ids=["vectors", "tails"])
+def test_lora_add_matches_the_reference_bgmv(rows, threads, k, n):
+    """Each row's delta from its slot at its rank; base rows (-1) and rank-0 slots get exactly nothing."""
+    gen = torch.Generator().manual_seed(7)
+    ranks = [8, 0, 3, 16, 5]
+    a, b_t, rank_t, scales = _lora_stacks(len(ranks), 16, k, n, ranks, gen)
+    token_slots = torch.randint(-1, len(ranks), (rows,), generator=gen, dtype=torch.int32)
+    token_slots[0] = 3
+    x = randn(rows, k + 5, dtype=torch.float32, gen=gen)[:, :k]  # strided rows
+    y = randn(rows, n + 3, dtype=torch.float32, gen=gen)[:, :n]  # a view of a wider output, as q of q/k/v
+    want = y.clone()
+    v = reference.lora_shrink_bgmv(x.contiguous(), a, token_slots, rank_t)
+    reference.lora_expand_bgmv(want, v, b_t.transpose(1, 2), token_slots, rank_t, scales)
+    before = cpu_native.threads()
+    cpu_native.set_threads(threads)
+    try:
+        cpu_native.lora_add(y, x, token_slots, a, b_t, rank_t, scales)
+    finally:
+        cpu_native.set_threads(before)
+    assert_close(y, want, torch.float32)
+    untouched = (token_slots < 0) | (rank_t[token_slots.clamp(min=0).long()] == 0)
+    assert torch.equal(y[untouched], want[untouched])
+
+
+def test_lora_add_rejects_a_slot_past_the_stacks():
+    gen = torch.Generator().manual_seed(8)
+    a, b_t, ranks, scales = _lora_stacks(2, 4, 16, 16, [4, 4], gen)
+    y = torch.zeros(2, 16)
+    with pytest.raises(IndexError, match="past the 2 slots"):
+        cpu_native.lora_add(y, torch.ones(2, 16), torch.tensor([0, 2], dtype=torch.int32), a, b_t, ranks, scales)
+    assert not y.any()  # nothing written
