@@ -19,6 +19,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on cpu, checkpoint dtype on cuda) | float32 | float16 | bfloat16
     weight_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, fp16 weights of the linear layers, fp32 compute
+    lora_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, adapter weights held in fp16, fp32 compute
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # CPU pool size; on CUDA see gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
@@ -58,6 +59,7 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype must be auto, float32, float16 or bfloat16"),
             (self.weight_dtype in ("auto", "float16"), "weight_dtype must be auto or float16"),
+            (self.lora_dtype in ("auto", "float16"), "lora_dtype must be auto or float16"),
             (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),

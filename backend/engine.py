@@ -57,6 +57,15 @@ def resolve_device_dtype(config: EngineConfig, checkpoint_dtype) -> tuple[torch.
     return torch.device(device), ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def resolve_lora_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The adapters' weights' dtype: the model's, or fp16 (``lora_dtype``) on an fp32 CPU engine."""
+    if config.lora_dtype == "auto":
+        return dtype
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError("lora_dtype float16 is a CPU option with dtype float32; on CUDA adapters take dtype")
+    return torch.float16
+
+
 class LLMEngine:
     """One base model, many adapters, one continuous batch."""
 
@@ -80,11 +89,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         shapes = module_shapes(self.model.config)
+        lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
         self.lora_slots = LoraSlots(
-            self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, lora_dtype, self.device
         )
         self.adapters = AdapterManager(
-            self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, self.dtype
+            self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, lora_dtype
         )
         store = AdapterStore(config.adapter_store) if config.adapter_store else None
         self.catalog = AdapterCatalog(store, {**(store.shared() if store else {}), **config.multi_lora})

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                     help="auto: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float16"],
+                    help="the engine's lora_dtype (float16: CPU fp32 only; peft keeps the adapters as written)")
     ap.add_argument("--batch", type=int, default=32, help="sequences in the batch (every row)")
     ap.add_argument("--adapters", default="1,8,32", help="distinct adapters per row, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (incl. BOS)")
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         max_loras=max(counts), max_cpu_loras=max(counts), max_lora_rank=args.rank,
         block_size=block_size, num_kv_blocks=args.batch * blocks_per_seq + 8,
         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, lora_dtype=args.lora_dtype,
     ))
     hf, peft_model = peers.load_peer_models(model_dir, adapter_dirs, dtype, device)  # EOS does not end a sequence
     names = sorted(adapter_dirs)
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'engine e2e':>11} {'vs base':>8} {'peft e2e':>9} {'vs peft':>8} {'= peft':>7}")
     lines = [
         f"command: {command}",
-        f"device {device}, dtype {dtype}, torch threads {torch.get_num_threads()}, torch {torch.__version__}",
+        f"device {device}, dtype {dtype}, lora_dtype {args.lora_dtype}, torch threads {torch.get_num_threads()}, torch {torch.__version__}",
         f"model: {model_dir if args.model_dir else 'random LLaMA'} hidden {engine.model.config.hidden_size}, "
         f"layers {engine.model.num_layers}, heads {engine.model.num_heads}/{engine.model.num_kv_heads} kv, "
         f"intermediate {engine.model.config.intermediate_size}",

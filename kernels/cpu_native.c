@@ -428,38 +428,12 @@ static void gemm_panel_f32(const float *x, int64_t x_stride, const void *panel, 
 /* Panel width NB of the GEMMs, or 0 when this CPU has no vector path for them (then they are not called). */
 int lp_gemm_panel_width(void) { return NB; }
 
-/* Memory a GEMM asks for while it computes (the LoRA weights read right after it): spans of 64-byte lines. */
-typedef struct {
-    const char *at;
-    int64_t lines;
-} lp_span;
-
-typedef struct {
-    const lp_span *spans;
-    int64_t count, lines; /* lines: over all spans */
-} lp_prefetch;
-
-/* Part `part` of `parts` of pf's lines into L2: a loop over the parts asks for all of them, spread over its
- * iterations, so a compute-bound loop (the GEMM's panels) hides the reads of the memory-bound one after it. */
-static void prefetch_part(const lp_prefetch *pf, int64_t part, int64_t parts) {
-#ifdef LANES
-    if (!pf || !pf->lines) return;
-    int64_t from = pf->lines * part / parts, to = pf->lines * (part + 1) / parts, seen = 0;
-    for (int64_t i = 0; i < pf->count && from < to; seen += pf->spans[i++].lines) {
-        const int64_t end = to < seen + pf->spans[i].lines ? to : seen + pf->spans[i].lines;
-        for (; from < end; from++) _mm_prefetch(pf->spans[i].at + 64 * (from - seen), _MM_HINT_T1);
-    }
-#else
-    (void)pf, (void)part, (void)parts;
-#endif
-}
-
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
  * W in panels of fp16 (half) or fp32. With several threads (lp_threads) the panels of a large weight (256K+
  * elements, or 4M+ products) are handed out one at a time: a thread that loses its core to another process
  * delays only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
 static void gemm(const float *x, int64_t x_stride, const void *panels, const float *bias, float *y, int64_t y_stride,
-                 int64_t m, int64_t n, int64_t k, int half, const lp_prefetch *pf) {
+                 int64_t m, int64_t n, int64_t k, int half) {
 #ifdef LANES
     const int64_t num_panels = (n + NB - 1) / NB, panel_bytes = k * NB * (half ? 2 : 4);
 #pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) \
@@ -467,24 +441,23 @@ static void gemm(const float *x, int64_t x_stride, const void *panels, const flo
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
         const void *panel = (const char *)panels + p * panel_bytes;
-        prefetch_part(pf, p, num_panels);
         (half ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k, bias ? bias + p * NB : NULL, y + p * NB,
                                                  y_stride, m, cols);
     }
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,
-        (void)half, (void)pf;
+        (void)half;
 #endif
 }
 
 void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
-    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 1, NULL);
+    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 1);
 }
 
 void lp_gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
-    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 0, NULL);
+    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 0);
 }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
@@ -492,10 +465,11 @@ int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 /* ---- LoRA deltas of a decode step (BGMV): y[t] += scale * (x[t] @ A.T) @ B.T of each row's adapter slot ----
  * The rows are grouped by slot and cut into items of up to TILE_ROWS rows: an item reads its adapter's A and
  * B.T once for all its rows (the rows' shrink sums and expand outputs stay in registers), and the items of a
- * projection, or of the projections that read one input (q/k/v, gate/up), go out to the threads one by one. */
+ * projection, or of the projections that read one input (q/k/v, gate/up), go out to the threads one by one.
+ * The stacks are fp32, or fp16 (half: read as fp32 by F16C, half the bytes of these memory-bound loops). */
 
 typedef struct { /* one projection's slot stacks: A [S, R, in], B.T [S, R, out] (contiguous); ranks, scales [S] */
-    const float *a, *bt;
+    const void *a, *bt;
     const int32_t *ranks;
     const float *scales;
 } lp_lora_module;
@@ -511,11 +485,21 @@ typedef struct { /* the step's rows on adapters: items of up to TILE_ROWS rows o
 #define TILE_ROWS 1
 #endif
 
+/* Element i of a stack of fp16 (half) or fp32 values, as fp32. */
+static inline float stack_at(const void *p, int64_t i, const int half) {
+#ifdef LANES
+    if (half) return _cvtsh_ss(((const uint16_t *)p)[i]);
+#endif
+    (void)half;
+    return ((const float *)p)[i];
+}
+
 /* v[r][j] = scale * x[row r] . A[j] for j < rank, four rows of A at a time: the n rows (a constant after
  * inlining, so the sums stay in registers) share each load of A, and each (row, j) has its own chain. */
 static inline __attribute__((always_inline)) void lora_shrink_tile(const float *x, int64_t x_stride,
-                                                                    const int64_t *rows, const int n, const float *a,
-                                                                    int64_t rank, int64_t in, float scale, float *v) {
+                                                                    const int64_t *rows, const int n, const void *a,
+                                                                    int64_t rank, int64_t in, float scale, float *v,
+                                                                    const int half) {
     const float *xr[TILE_ROWS];
     for (int r = 0; r < n; r++) xr[r] = x + rows[r] * x_stride;
     int64_t j = 0;
@@ -527,7 +511,7 @@ static inline __attribute__((always_inline)) void lora_shrink_tile(const float *
                 for (int q = 0; q < 4; q++) acc[r][q] = vf_zero();
             for (int64_t i = 0; i < in; i += LANES) {
                 vf w[4];
-                for (int q = 0; q < 4; q++) w[q] = vf_load(a + (j + q) * in + i);
+                for (int q = 0; q < 4; q++) w[q] = load_weights(a, (j + q) * in + i, half);
                 for (int r = 0; r < n; r++) {
                     const vf xv = vf_load(xr[r] + i);
                     for (int q = 0; q < 4; q++) acc[r][q] = vf_fma(xv, w[q], acc[r][q]);
@@ -538,13 +522,17 @@ static inline __attribute__((always_inline)) void lora_shrink_tile(const float *
         }
 #endif
     for (; j < rank; j++) /* the last ranks (or every rank, when in is not whole vectors) */
-        for (int r = 0; r < n; r++) v[r * rank + j] = dot_fma(xr[r], a + j * in, in) * scale;
+        for (int r = 0; r < n; r++) {
+            float sum = 0.f;
+            for (int64_t i = 0; i < in; i++) sum = fmaf(xr[r][i], stack_at(a, j * in + i, half), sum);
+            v[r * rank + j] = sum * scale;
+        }
 }
 
 /* y[row r] += v[r] @ B.T[:rank], 4 vectors of columns at a time: the n rows share each load of B.T. */
 static inline __attribute__((always_inline)) void lora_expand_tile(float *y, int64_t y_stride, const int64_t *rows,
-                                                                    const int n, const float *bt, int64_t rank,
-                                                                    int64_t out, const float *v) {
+                                                                    const int n, const void *bt, int64_t rank,
+                                                                    int64_t out, const float *v, const int half) {
     float *yr[TILE_ROWS];
     for (int r = 0; r < n; r++) yr[r] = y + rows[r] * y_stride;
     int64_t c = 0;
@@ -555,7 +543,7 @@ static inline __attribute__((always_inline)) void lora_expand_tile(float *y, int
             for (int q = 0; q < 4; q++) acc[r][q] = vf_zero();
         for (int64_t j = 0; j < rank; j++) {
             vf w[4];
-            for (int q = 0; q < 4; q++) w[q] = vf_load(bt + j * out + c + q * LANES);
+            for (int q = 0; q < 4; q++) w[q] = load_weights(bt, j * out + c + q * LANES, half);
             for (int r = 0; r < n; r++) {
                 const vf vr = vf_bcast(v + r * rank + j);
                 for (int q = 0; q < 4; q++) acc[r][q] = vf_fma(vr, w[q], acc[r][q]);
@@ -568,7 +556,7 @@ static inline __attribute__((always_inline)) void lora_expand_tile(float *y, int
         vf acc[TILE_ROWS];
         for (int r = 0; r < n; r++) acc[r] = vf_zero();
         for (int64_t j = 0; j < rank; j++) {
-            const vf w = vf_load(bt + j * out + c);
+            const vf w = load_weights(bt, j * out + c, half);
             for (int r = 0; r < n; r++) acc[r] = vf_fma(vf_bcast(v + r * rank + j), w, acc[r]);
         }
         for (int r = 0; r < n; r++) vf_store(yr[r] + c, vf_add(vf_load(yr[r] + c), acc[r]));
@@ -577,18 +565,20 @@ static inline __attribute__((always_inline)) void lora_expand_tile(float *y, int
     for (; c < out; c++)
         for (int r = 0; r < n; r++) {
             float sum = 0.f;
-            for (int64_t j = 0; j < rank; j++) sum = fmaf(v[r * rank + j], bt[j * out + c], sum);
+            for (int64_t j = 0; j < rank; j++) sum = fmaf(v[r * rank + j], stack_at(bt, j * out + c, half), sum);
             yr[r][c] += sum;
         }
 }
 
-/* One item's delta: n rows of one slot, n a constant in each case. */
-static void lora_tile(const float *x, int64_t x_stride, float *y, int64_t y_stride, const int64_t *rows, int n,
-                      const float *a, const float *bt, int64_t rank, int64_t in, int64_t out, float scale) {
+/* One item's delta: n rows of one slot, n and half constants in each case. */
+static inline __attribute__((always_inline)) void lora_tile(const float *x, int64_t x_stride, float *y,
+                                                             int64_t y_stride, const int64_t *rows, int n,
+                                                             const void *a, const void *bt, int64_t rank, int64_t in,
+                                                             int64_t out, float scale, const int half) {
     float v[TILE_ROWS * rank];
 #define LORA_TILE(N)                                                         \
-    lora_shrink_tile(x, x_stride, rows, N, a, rank, in, scale, v);           \
-    lora_expand_tile(y, y_stride, rows, N, bt, rank, out, v);                \
+    lora_shrink_tile(x, x_stride, rows, N, a, rank, in, scale, v, half);     \
+    lora_expand_tile(y, y_stride, rows, N, bt, rank, out, v, half);          \
     break
     switch (n) {
 #if TILE_ROWS > 5
@@ -607,10 +597,21 @@ static void lora_tile(const float *x, int64_t x_stride, float *y, int64_t y_stri
 #undef LORA_TILE
 }
 
+static void lora_tile_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, const int64_t *rows, int n,
+                          const void *a, const void *bt, int64_t rank, int64_t in, int64_t out, float scale) {
+    lora_tile(x, x_stride, y, y_stride, rows, n, a, bt, rank, in, out, scale, 0);
+}
+
+static void lora_tile_f16(const float *x, int64_t x_stride, float *y, int64_t y_stride, const int64_t *rows, int n,
+                          const void *a, const void *bt, int64_t rank, int64_t in, int64_t out, float scale) {
+    lora_tile(x, x_stride, y, y_stride, rows, n, a, bt, rank, in, out, scale, 1);
+}
+
 /* Each plan item's delta for modules m[0..count) into their outputs y[k] (rows y_stride apart), all reading x. */
 static void lora_add(const float *x, int64_t x_stride, float *const *y, int64_t y_stride, const lp_lora_module *m,
-                     const int64_t *in, const int64_t *out, int count, const lp_lora_plan *plan, int64_t max_rank) {
-    const int64_t work = plan->items * count;
+                     const int64_t *in, const int64_t *out, int count, const lp_lora_plan *plan, int64_t max_rank,
+                     int half) {
+    const int64_t work = plan->items * count, esize = half ? 2 : 4;
 #pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) if (work > 1)
     for (int64_t w = 0; w < work; w++) {
         const int64_t item = w / count, k = w % count, s = plan->slot[item];
@@ -618,8 +619,10 @@ static void lora_add(const float *x, int64_t x_stride, float *const *y, int64_t 
         if (rank <= 0) continue; /* the adapter does not adapt this projection */
         const int64_t *rows = plan->order + plan->first[item];
         const int n = (int)(plan->first[item + 1] - plan->first[item]);
-        lora_tile(x, x_stride, y[k], y_stride, rows, n, m[k].a + s * max_rank * in[k],
-                  m[k].bt + s * max_rank * out[k], rank, in[k], out[k], m[k].scales[s]);
+        const char *a = (const char *)m[k].a + s * max_rank * in[k] * esize;
+        const char *bt = (const char *)m[k].bt + s * max_rank * out[k] * esize;
+        (half ? lora_tile_f16 : lora_tile_f32)(x, x_stride, y[k], y_stride, rows, n, a, bt, rank, in[k], out[k],
+                                               m[k].scales[s]);
     }
 }
 
@@ -647,30 +650,11 @@ static int64_t lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, 
     return items;
 }
 
-/* The spans of A and B.T that modules m[0..count) read for the plan's slots (each slot once), appended at
- * spans; returns the prefetch over them. */
-static lp_prefetch lora_spans(const lp_lora_module *m, const int64_t *in, const int64_t *out, int count,
-                              const lp_lora_plan *plan, int64_t max_rank, lp_span *spans) {
-    lp_prefetch pf = {spans, 0, 0};
-    for (int64_t item = 0; item < plan->items; item++) {
-        const int64_t s = plan->slot[item];
-        if (item && plan->slot[item - 1] == s) continue;
-        for (int k = 0; k < count; k++) {
-            const int64_t rank = m[k].ranks[s];
-            if (rank <= 0) continue;
-            spans[pf.count++] = (lp_span){(const char *)(m[k].a + s * max_rank * in[k]), (rank * in[k] * 4 + 63) / 64};
-            spans[pf.count++] = (lp_span){(const char *)(m[k].bt + s * max_rank * out[k]), (rank * out[k] * 4 + 63) / 64};
-            pf.lines += spans[pf.count - 2].lines + spans[pf.count - 1].lines;
-        }
-    }
-    return pf;
-}
-
-/* One projection's LoRA deltas for rows on token_slots: y [rows, out] += per row, as above. For tests and the
- * op-by-op path. Returns 0, -1 for a slot >= num_slots, -2 when memory ran out. */
+/* One projection's LoRA deltas for rows on token_slots: y [rows, out] += per row, as above (stacks in fp16 if
+ * half). For tests. Returns 0, -1 for a slot >= num_slots, -2 when memory ran out. */
 int lp_lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t rows, const int32_t *token_slots,
-                const float *a, const float *bt, const int32_t *ranks, const float *scales, int64_t num_slots,
-                int64_t max_rank, int64_t in, int64_t out) {
+                const void *a, const void *bt, const int32_t *ranks, const float *scales, int64_t num_slots,
+                int64_t max_rank, int64_t in, int64_t out, int64_t half) {
     int64_t *first = (int64_t *)malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
     int32_t *slot = (int32_t *)malloc((size_t)(rows + 1) * sizeof(int32_t));
     int rc = 0;
@@ -680,7 +664,7 @@ int lp_lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride, in
     if (items > 0) {
         const lp_lora_plan plan = {items, first, first + rows + 1, slot};
         const lp_lora_module m = {a, bt, ranks, scales};
-        lora_add(x, x_stride, &y, y_stride, &m, &in, &out, 1, &plan, max_rank);
+        lora_add(x, x_stride, &y, y_stride, &m, &in, &out, 1, &plan, max_rank, half != 0);
     }
     free(first);
     free(slot);
@@ -711,7 +695,7 @@ typedef struct { /* the step: rows tokens, one per sequence, and where their K/V
     float *kv_cache; /* [layers, 2, num_blocks, block_size, kv_heads, head_dim] */
     int64_t num_blocks, block_size;
     const int32_t *token_slots; /* each row's adapter slot (-1: none), or NULL: no adapters this step */
-    int64_t num_slots, max_rank;
+    int64_t num_slots, max_rank, lora_half; /* lora_half: the stacks hold fp16 */
 } lp_step;
 
 /* h [rows, hidden] (the embeddings; updated in place as the residual stream) -> out [rows, hidden] after the
@@ -742,27 +726,17 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
         if (items < 0) rc = (int)items;
         plan = (lp_lora_plan){items, plan_rows, plan_rows + rows + 1, plan_slots};
     }
-    const int adapted = plan.items > 0;
+    const int adapted = plan.items > 0, lora_half = s->lora_half != 0;
     const int64_t qkv_in[3] = {hid, hid, hid}, qkv_out[3] = {qd, kvd, kvd}, gu_in[2] = {hid, hid};
     const int64_t gu_out[2] = {inter, inter};
     float *qkv_y[3] = {qkv, qkv + qd, qkv + qd + kvd}, *gu_y[2] = {gu, gu + inter};
-    lp_span *spans = adapted ? (lp_span *)malloc((size_t)(14 * plan.items) * sizeof(lp_span)) : NULL;
-    if (adapted && !spans) rc = -2;
-    lp_prefetch pf[4] = {{0}}; /* the LoRA weights read after each GEMM: q/k/v, o, gate/up, down */
     for (int64_t i = 0; i < m->num_layers && !rc; i++) {
         const lp_layer *w = layers + i;
         float *k_cache = s->kv_cache + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
         lp_add_rms_norm(h, hid, delta, hid, w->input_norm, x, hid, rows, hid, m->eps);
         const lp_lora_module *ad = adapted ? lora + 7 * i : NULL; /* q, k, v, o, gate, up, down */
-        if (ad) {
-            pf[0] = lora_spans(ad, qkv_in, qkv_out, 3, &plan, s->max_rank, spans);
-            pf[1] = lora_spans(ad + 3, &qd, &hid, 1, &plan, s->max_rank, spans + pf[0].count);
-            pf[2] = lora_spans(ad + 4, gu_in, gu_out, 2, &plan, s->max_rank, spans + pf[0].count + pf[1].count);
-            pf[3] = lora_spans(ad + 6, &inter, &hid, 1, &plan, s->max_rank,
-                               spans + pf[0].count + pf[1].count + pf[2].count);
-        }
-        gemm(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid, half, pf);
-        if (ad) lora_add(x, hid, qkv_y, wqkv, ad, qkv_in, qkv_out, 3, &plan, s->max_rank);
+        gemm(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid, half);
+        if (ad) lora_add(x, hid, qkv_y, wqkv, ad, qkv_in, qkv_out, 3, &plan, s->max_rank, lora_half);
         rc = lp_rotate_qk(qkv, wqkv, m->heads, qkv + qd, wqkv, m->kv_heads, d, s->positions, rows, s->cos,
                           s->signed_sin, s->table_rows);
         if (!rc)
@@ -773,20 +747,19 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
                                  s->context_lens, rows, m->heads, m->kv_heads, d, s->block_size, s->num_blocks,
                                  m->scale);
         if (rc) break;
-        gemm(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd, half, pf + 1);
-        if (ad) lora_add(att, qd, &proj, hid, ad + 3, &qd, &hid, 1, &plan, s->max_rank);
+        gemm(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd, half);
+        if (ad) lora_add(att, qd, &proj, hid, ad + 3, &qd, &hid, 1, &plan, s->max_rank, lora_half);
         lp_add_rms_norm(h, hid, proj, hid, w->post_norm, x, hid, rows, hid, m->eps);
-        gemm(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid, half, pf + 2);
-        if (ad) lora_add(x, hid, gu_y, 2 * inter, ad + 4, gu_in, gu_out, 2, &plan, s->max_rank);
+        gemm(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid, half);
+        if (ad) lora_add(x, hid, gu_y, 2 * inter, ad + 4, gu_in, gu_out, 2, &plan, s->max_rank, lora_half);
         lp_silu_mul(gu, 2 * inter, gu + inter, 2 * inter, act, inter, rows, inter);
-        gemm(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter, half, pf + 3);
-        if (ad) lora_add(act, inter, &proj, hid, ad + 6, &inter, &hid, 1, &plan, s->max_rank);
+        gemm(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter, half);
+        if (ad) lora_add(act, inter, &proj, hid, ad + 6, &inter, &hid, 1, &plan, s->max_rank, lora_half);
         delta = proj;
     }
     if (!rc) lp_add_rms_norm(h, hid, delta, hid, final_norm, out, hid, rows, hid, m->eps);
     free(buf);
     free(plan_rows);
     free(plan_slots);
-    free(spans);
     return rc;
 }

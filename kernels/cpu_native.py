@@ -52,7 +52,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_set_threads": ([ctypes.c_int], None),
     "lp_threads": ([], ctypes.c_int),
     "lp_decode_forward": ([_P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
-    "lp_lora_add": ([_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
+    "lp_lora_add": ([_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int),
 }
 
 
@@ -262,7 +262,7 @@ class _Step(ctypes.Structure):
                 ("max_blocks", ctypes.c_int64), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
                 ("table_rows", ctypes.c_int64), ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("token_slots", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
-                ("max_rank", ctypes.c_int64)]
+                ("max_rank", ctypes.c_int64), ("lora_half", ctypes.c_int64)]
 
 
 class _LoraModule(ctypes.Structure):
@@ -270,20 +270,23 @@ class _LoraModule(ctypes.Structure):
 
 
 def lora_stacks_native(a: torch.Tensor, b_t: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether one projection's slot stacks (A [S, R, in], B.T [S, R, out], ranks, scales) suit lora_add."""
-    return (_dense(a, torch.float32) and _dense(b_t, torch.float32) and _dense(ranks, torch.int32)
+    """Whether one projection's slot stacks (A [S, R, in], B.T [S, R, out]: fp32, or fp16 where the vector path
+    is built; ranks, scales) suit lora_add."""
+    dtype = a.dtype if a.dtype == torch.float32 or (a.dtype == torch.float16 and panels_native()) else None
+    return (dtype is not None and _dense(a, dtype) and _dense(b_t, dtype) and _dense(ranks, torch.int32)
             and _dense(scales, torch.float32))
 
 
 def lora_add(y, x, token_slots, a, b_t, ranks, scales) -> None:
     """y [T, out] += scale * (x[t] @ A[slot].T) @ B[slot].T for each row t on an adapter (token_slots int32, -1:
-    none), ranks from ranks[slot]: the decode step's BGMV, rows of one slot read its A and B.T once."""
+    none), ranks from ranks[slot]: the decode step's BGMV, rows of one slot read its A and B.T once (stacks that
+    lora_stacks_native accepts)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_slots, max_rank, out = b_t.shape
     rc = library().lp_lora_add(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
                                token_slots.data_ptr(), a.data_ptr(), b_t.data_ptr(), ranks.data_ptr(),
-                               scales.data_ptr(), num_slots, max_rank, a.shape[2], out)
+                               scales.data_ptr(), num_slots, max_rank, a.shape[2], out, int(a.dtype == torch.float16))
     if rc == -1:
         raise IndexError(f"lora_add: an adapter slot is past the {num_slots} slots")
     if rc:
@@ -318,7 +321,7 @@ class DecodeForward:
         self._lora = None  # (LoraSlots, its stacks as _LoraModule [layers * 7]) once serves_lora accepted them
 
     def serves_lora(self, slots) -> bool:
-        """Whether this forward can add LoraSlots slots' deltas (fp32 CPU stacks; B kept as B.T contiguous)."""
+        """Whether this forward can add LoraSlots slots' deltas (CPU stacks in fp32 or fp16; B kept as B.T)."""
         if self._lora is not None and self._lora[0] is slots:
             return True
         if not all(lora_stacks_native(slots.a[i][m], slots.b_t[i][m], slots.ranks[i][m], slots.scales[i][m])
@@ -336,16 +339,17 @@ class DecodeForward:
         adds its rows' LoRA deltas."""
         rows = h.shape[0]
         out = torch.empty_like(h)
-        lora, slots_ptr, num_slots, max_rank = None, None, 0, 0
+        lora, slots_ptr, num_slots, max_rank, half = None, None, 0, 0, 0
         if lora_slots is not None:
             if not self.serves_lora(lora_slots):
-                raise ValueError("decode forward: these LoRA stacks are not fp32 CPU stacks")
+                raise ValueError("decode forward: these LoRA stacks are not fp32 or fp16 CPU stacks")
             lora, slots_ptr = self._lora[1], token_slots.data_ptr()
             num_slots, max_rank = lora_slots.max_loras, lora_slots.max_rank
+            half = int(lora_slots.dtype == torch.float16)
         step = _Step(rows, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
                      context_lens.data_ptr(), block_tables.stride(0), block_tables.shape[1], self._cos.data_ptr(),
                      self._signed_sin.data_ptr(), self._cos.shape[0], kv_cache.data_ptr(), kv_cache.shape[2],
-                     kv_cache.shape[3], slots_ptr, num_slots, max_rank)
+                     kv_cache.shape[3], slots_ptr, num_slots, max_rank, half)
         rc = library().lp_decode_forward(ctypes.byref(self._shapes), self._layers, self._final_norm.data_ptr(),
                                          ctypes.byref(step), lora, h.data_ptr(), out.data_ptr())
         if rc == -1:

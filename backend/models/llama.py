@@ -62,7 +62,8 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int,
             if target is not None:
                 rank, scale = target
                 rows = slice(start, end)
-                y[rows].add_(F.linear(F.linear(x[rows], a[slot, :rank]), b[slot, :, :rank]), alpha=scale)
+                a_r, b_r = a[slot, :rank].to(x.dtype), b[slot, :, :rank].to(x.dtype)  # fp16 stacks: lora_dtype
+                y[rows].add_(F.linear(F.linear(x[rows], a_r), b_r), alpha=scale)
         if lora.tiles is not None:
             lora.tiles.add(y, x, s.a_t[layer_idx][module], s.b_t[layer_idx][module], s.tile_scales[layer_idx][module])
         if lora.token_slots is None:

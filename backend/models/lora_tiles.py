@@ -66,8 +66,9 @@ class SlotTiles:
         if x is not self._x:
             self._x, self._x_tiles = x, x.index_select(0, self.gather).view(self.hi - self.lo, self.size, -1)
         lo, hi, rank = self.lo, self.hi, self.rank
-        v = torch.bmm(self._x_tiles, a_t[lo:hi, :, :rank]).mul_(scales[lo:hi])
-        delta = torch.bmm(v, b_t[lo:hi, :rank]).view(-1, y.shape[1])
+        dtype = x.dtype  # fp16 stacks (lora_dtype) are read as fp32 copies of the slots in use
+        v = torch.bmm(self._x_tiles, a_t[lo:hi, :, :rank].to(dtype)).mul_(scales[lo:hi])
+        delta = torch.bmm(v, b_t[lo:hi, :rank].to(dtype)).view(-1, y.shape[1])
         if self.picks is not None:
             delta = delta.index_select(0, self.picks)
         y.index_add_(0, self.dest, delta)

@@ -1,8 +1,9 @@
-"""`weight_dtype=float16` on the CPU: the projections and lm_head hold fp16 weights, computed in fp32.
+"""`weight_dtype=float16` and `lora_dtype=float16` on the CPU: fp16 weights, computed in fp32.
 
 The oracle is transformers + peft on the very weights the engine multiplies: the checkpoint
-with every matrix rounded to fp16 (and back to fp32), the adapters as they are (LoRA stays
-fp32). Logits must agree within the fp32 tolerance of the fp32 engine, tokens exactly.
+with every matrix rounded to fp16 (and back to fp32), the adapters as they are; with
+`lora_dtype=float16`, the adapters rounded and the checkpoint as it is. Logits must agree
+within the fp32 tolerance of the fp32 engine, tokens exactly.
 """
 
 from __future__ import annotations
@@ -63,6 +64,60 @@ def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch, kernel_mo
         adapter = family.adapters[name] if name else None
         got = [t for o in outs[f"r{i}"] for t in o.token_ids]
         assert got == ref.greedy_tokens(oracle.model_dir, adapter, ids, 8, True), (name, prompt)
+
+
+@pytest.fixture(scope="module")
+def rounded_adapters(lora_family, tmp_path_factory):
+    """rounded_adapters(arch) -> the family with its adapters' weights rounded to fp16 (the oracle's adapters)."""
+    from safetensors.torch import load_file, save_file
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            family = lora_family(arch)
+            folders = {}
+            for name, path in family.adapters.items():
+                folder = tmp_path_factory.mktemp(f"rounded-{arch}-{name}")
+                shutil.copytree(path, folder, dirs_exist_ok=True)
+                for file in folder.glob("*.safetensors"):
+                    save_file({k: v.half().float() for k, v in load_file(file).items()}, file,
+                              metadata={"format": "pt"})
+                folders[name] = str(folder)
+            cache[arch] = dataclasses.replace(family, adapters=folders)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_fp16_adapters_match_peft_on_the_rounded_adapters(lora_family, rounded_adapters, arch, kernel_mode):
+    import torch
+
+    family, oracle = lora_family(arch), rounded_adapters(arch)
+    engine = make_engine(family, lora_dtype="float16")
+    slots = engine.runner.lora_slots
+    assert slots.a[0]["q_proj"].dtype == torch.float16 and slots.b_t[0]["down_proj"].dtype == torch.float16
+    native = engine.model.native_decode
+    assert (native is not None and native.serves_lora(slots)) == (kernel_mode == "auto")  # else the torch path
+    logits_match_peft(engine, oracle, family.model_dir)
+    batch = LOGIT_BATCHES[0]  # decoded together, rows on different adapters
+    requests = [engine.make_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                  lora_name=name))
+                for i, (prompt, name) in enumerate(batch)]
+    outs = engine.generate(requests)
+    for i, (prompt, name) in enumerate(batch):
+        ids = engine.tokenizer(prompt).input_ids
+        adapter = oracle.adapters[name] if name else None
+        got = [t for o in outs[f"r{i}"] for t in o.token_ids]
+        assert got == ref.greedy_tokens(family.model_dir, adapter, ids, 8, True), (name, prompt)
+
+
+def test_fp16_adapters_are_a_cpu_fp32_option(lora_family):
+    with pytest.raises(ValueError, match="lora_dtype must be auto or float16"):
+        EngineConfig(model_dir="x", lora_dtype="bfloat16")
+    with pytest.raises(ValueError, match="lora_dtype float16 is a CPU option with dtype float32"):
+        make_engine(lora_family("llama-gqa"), lora_dtype="float16", dtype="bfloat16")
 
 
 def test_fp16_weights_are_a_cpu_fp32_option(lora_family):

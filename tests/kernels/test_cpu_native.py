@@ -194,18 +194,25 @@ def _lora_stacks(num_slots, max_rank, k, n, ranks, gen):
 @pytest.mark.parametrize("rows", [1, 6, 7, 48])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("k", "n"), [(64, 80), (37, 19)], ids=["vectors", "tails"])
-def test_lora_add_matches_the_reference_bgmv(rows, threads, k, n):
-    """Each row's delta from its slot at its rank; base rows (-1) and rank-0 slots get exactly nothing."""
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
+def test_lora_add_matches_the_reference_bgmv(rows, threads, k, n, half):
+    """Each row's delta from its slot at its rank (stacks in fp32, or fp16 read as their fp32 values); base rows
+    (-1) and rank-0 slots get exactly nothing."""
     gen = torch.Generator().manual_seed(7)
     ranks = [8, 0, 3, 16, 5]
     a, b_t, rank_t, scales = _lora_stacks(len(ranks), 16, k, n, ranks, gen)
+    if half:
+        if not cpu_native.panels_native():
+            pytest.skip("fp16 stacks need the vector path (F16C)")
+        a, b_t = a.half(), b_t.half()
+    assert cpu_native.lora_stacks_native(a, b_t, rank_t, scales)
     token_slots = torch.randint(-1, len(ranks), (rows,), generator=gen, dtype=torch.int32)
     token_slots[0] = 3
     x = randn(rows, k + 5, dtype=torch.float32, gen=gen)[:, :k]  # strided rows
     y = randn(rows, n + 3, dtype=torch.float32, gen=gen)[:, :n]  # a view of a wider output, as q of q/k/v
     want = y.clone()
-    v = reference.lora_shrink_bgmv(x.contiguous(), a, token_slots, rank_t)
-    reference.lora_expand_bgmv(want, v, b_t.transpose(1, 2), token_slots, rank_t, scales)
+    v = reference.lora_shrink_bgmv(x.contiguous(), a.float(), token_slots, rank_t)
+    reference.lora_expand_bgmv(want, v, b_t.float().transpose(1, 2), token_slots, rank_t, scales)
     before = cpu_native.threads()
     cpu_native.set_threads(threads)
     try:
