@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from dataclasses import dataclass, field
 
@@ -95,11 +94,13 @@ class ModelRunner:
                 else:
                     picked = hidden[self._tensor(sample_rows)]
                 logits = self.model.logits(picked)
-            if not math.isfinite(logits.sum().item()):  # one reduction; a NaN or inf anywhere shows in the sum
+            greedy, finite = kernels.argmax_rows(logits)  # one pass: the greedy tokens, and a NaN or inf anywhere
+            if not finite:
                 logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
+                greedy = None  # the rows zeroed: their argmax again
             sampling = sampling or _sampling_rows(seqs)
             params, generators, random_rows, wants_logprobs = sampling
-            tokens = sample_tokens(logits, params, generators, random_rows)
+            tokens = sample_tokens(logits, params, generators, random_rows, greedy)
             if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
             else:  # nobody reads them: skip a logsumexp over the vocabulary per row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .request import SamplingParams
 
 
@@ -51,17 +52,11 @@ def _uniforms(generators: list, like: torch.Tensor) -> torch.Tensor:
     return u
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its largest logit (the first of ties; NaN counts as largest), int64."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
-        return torch.from_numpy(logits.numpy().argmax(axis=1))  # several times faster than torch's on a CPU
-    return torch.argmax(logits, dim=-1)
-
-
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                  random_rows: list[int] | None = None) -> torch.Tensor:
-    """sample() as an int64 tensor [B] on the logits' device; random_rows: the rows not greedy, if known."""
-    tokens = _argmax(logits)
+                  random_rows: list[int] | None = None, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """sample() as an int64 tensor [B] on the logits' device; random_rows: the rows not greedy, if known;
+    greedy: each row's argmax, if known (kernels.argmax_rows)."""
+    tokens = kernels.argmax_rows(logits)[0] if greedy is None else greedy
     rows = [r for r, p in enumerate(params) if not p.greedy] if random_rows is None else random_rows
     if rows:
         picked = [params[r] for r in rows]

@@ -52,6 +52,12 @@ def rotate_qk(q, k, positions, cos, signed_sin):
     return run("rotate_qk", q, k, positions, cos, signed_sin)
 
 
+def argmax_rows(logits):
+    """(each row's index of its largest logit: the first of ties, the first NaN where there is one; whether
+    every logit is finite): one native pass over fp32 CPU logits, else two torch ops."""
+    return run("argmax_rows", logits)
+
+
 def native_layer_ops(device, dtype, head_dim: int) -> bool:
     """Whether a model on device in dtype calls cpu_native's layer ops (add_rms_norm, silu_mul, rotate_qk,
     write_kv, paged_attention_decode) directly: fp32 on the CPU, mode auto, the library built, a head dim it

@@ -44,6 +44,7 @@ static inline vf vf_pow2i(vf k) { /* 2^k for integral k in [-126, 127] */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
 }
 static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline unsigned vf_eq_mask(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define LANES 8
 #define TILE_ROWS 3
@@ -70,6 +71,7 @@ static inline float vf_sum(vf a) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+static inline unsigned vf_eq_mask(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 #endif
 
 
@@ -221,7 +223,7 @@ static inline __attribute__((always_inline)) float dot_fma(const float *a, const
 static void softmax_inplace(float *s, int64_t n) {
     float m = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : m)
-    for (int64_t p = 0; p < n; p++) m = fmaxf(m, s[p]);
+    for (int64_t p = 0; p < n; p++) m = s[p] > m ? s[p] : m; /* vmaxps (fmaxf: a libm call); NaN: its exp */
     int64_t p = 0;
 #ifdef LANES
     vf vsum = vf_zero();
@@ -462,6 +464,49 @@ void lp_gemm_f32(const float *x, int64_t x_stride, const float *panels, const fl
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 
+/* ---- greedy sampling: each row's argmax, and whether every logit is finite, in one pass over the logits ---- */
+
+/* The first index of value m in v[0..n) (m is there). */
+static int64_t first_index_of(const float *v, int64_t n, float m) {
+    int64_t i = 0;
+#ifdef LANES
+    const vf target = vf_set(m);
+    for (; i + LANES <= n; i += LANES) {
+        const unsigned hits = vf_eq_mask(vf_load(v + i), target);
+        if (hits) return i + __builtin_ctz(hits);
+    }
+#endif
+    while (v[i] != m) i++;
+    return i;
+}
+
+/* out[r] = the index of row r's largest value: the first of ties, and the first NaN where a row has one (as
+ * numpy's argmax). Returns the number of rows holding a NaN or an infinity. */
+int64_t lp_argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(lp_threads()) reduction(+ : bad) if (rows * n >= (1 << 20))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * stride;
+        float m = -INFINITY, z = 0.f; /* z: the sum of v[i] * 0, NaN exactly when a value is not finite */
+#pragma omp simd reduction(max : m) reduction(+ : z)
+        for (int64_t i = 0; i < n; i++) {
+            m = v[i] > m ? v[i] : m; /* vmaxps (fmaxf: a libm call); a NaN is skipped, z flags it */
+            z += v[i] * 0.f;
+        }
+        if (z != z) {
+            bad++;
+            int64_t at = 0;
+            while (at < n && v[at] == v[at]) at++;
+            if (at < n) {
+                out[r] = at;
+                continue;
+            }
+        }
+        out[r] = n > 0 ? first_index_of(v, n, m) : 0;
+    }
+    return bad;
+}
+
 /* ---- LoRA deltas of a decode step (BGMV): y[t] += scale * (x[t] @ A.T) @ B.T of each row's adapter slot ----
  * The rows are grouped by slot and cut into items of up to TILE_ROWS rows: an item reads its adapter's A and
  * B.T once for all its rows (the rows' shrink sums and expand outputs stay in registers), and the items of a
@@ -550,7 +595,8 @@ static inline __attribute__((always_inline)) void lora_expand_tile(float *y, int
             }
         }
         for (int r = 0; r < n; r++)
-            for (int q = 0; q < 4; q++) vf_store(yr[r] + c + q * LANES, vf_add(vf_load(yr[r] + c + q * LANES), acc[r][q]));
+            for (int q = 0; q < 4; q++)
+                vf_store(yr[r] + c + q * LANES, vf_add(vf_load(yr[r] + c + q * LANES), acc[r][q]));
     }
     for (; c + LANES <= out; c += LANES) {
         vf acc[TILE_ROWS];

@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # the projections whose LoRA stacks lp_decode_forward takes, in its order (LoraSlots keys its stacks by these)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-OPS = ("add_rms_norm", "silu_mul", "rotate_qk", "write_kv", "paged_attention_decode")
+OPS = ("add_rms_norm", "silu_mul", "rotate_qk", "write_kv", "paged_attention_decode", "argmax_rows")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # C entry point -> (argument types, return type)
@@ -52,6 +52,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_set_threads": ([ctypes.c_int], None),
     "lp_threads": ([], ctypes.c_int),
     "lp_decode_forward": ([_P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
+    "lp_argmax_rows": ([_P, _I, _I, _I, _P], ctypes.c_int64),
     "lp_lora_add": ([_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int),
 }
 
@@ -142,6 +143,9 @@ def serves(name: str, args: tuple) -> bool:
         k_cache, v_cache, k, v, slot_mapping = args
         return (_dense(k_cache, torch.float32) and _dense(v_cache, torch.float32) and _f32(k, v) and _heads(k)
                 and _heads(v) and _dense(slot_mapping, torch.int64))
+    if name == "argmax_rows":
+        (logits,) = args
+        return logits.dim() == 2 and logits.shape[1] > 0 and _f32(logits)
     if name == "paged_attention_decode":
         q, k_cache, v_cache, block_tables, context_lens, _scale = args
         return (_f32(q) and _heads(q) and _dense(k_cache, torch.float32) and _dense(v_cache, torch.float32)
@@ -202,6 +206,14 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     if rc:
         raise MemoryError("paged_attention_decode: no memory for the scores")
     return out
+
+
+def argmax_rows(logits):
+    """(each row's index of its largest logit, int64; whether every logit is finite), in one pass."""
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    bad = library().lp_argmax_rows(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
+    return out, bad == 0
 
 
 class Panels:

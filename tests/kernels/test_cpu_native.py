@@ -231,3 +231,22 @@ def test_lora_add_rejects_a_slot_past_the_stacks():
     with pytest.raises(IndexError, match="past the 2 slots"):
         cpu_native.lora_add(y, torch.ones(2, 16), torch.tensor([0, 2], dtype=torch.int32), a, b_t, ranks, scales)
     assert not y.any()  # nothing written
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (5, 33), (64, 300), (24, 49152)])
+def test_argmax_rows_takes_the_first_largest_and_flags_non_finite_rows(rows, vocab):
+    gen = torch.Generator().manual_seed(9)
+    logits = randn(rows, vocab + 3, dtype=torch.float32, gen=gen)[:, :vocab]  # strided rows
+    if vocab > 9:
+        logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first wins
+    assert dispatch.native_serves("argmax_rows", (logits,))
+    tokens, finite = cpu_native.argmax_rows(logits)
+    assert finite and tokens.tolist() == reference.argmax_rows(logits)[0].tolist()
+    assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist()
+    if rows > 2:
+        logits[1, vocab // 2] = float("inf")
+        logits[2, vocab - 1] = float("nan")  # NaN counts as the largest, as numpy's argmax
+        tokens, finite = cpu_native.argmax_rows(logits)
+        assert not finite and tokens.tolist() == reference.argmax_rows(logits)[0].tolist()
+        assert tokens[1] == vocab // 2 and tokens[2] == vocab - 1
+        assert reference.argmax_rows(logits)[1] is False
