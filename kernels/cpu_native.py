@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .cpu_runner import cache_dir
+from .cpu_runner import build_once
 
 log = logging.getLogger("loraplex.kernels")
 SOURCE = Path(__file__).with_name("cpu_native.c")
@@ -71,19 +68,8 @@ def build() -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH; set CC)")
-    source = SOURCE.read_text()
-    key = hashlib.sha256("\0".join([cc, *C_FLAGS, source, _machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_native-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *C_FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed for {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(out, target)
-    return target
+    return build_once("cpu_native", [cc, *C_FLAGS, SOURCE.read_text(), _machine()],
+                      lambda _tmp, out: [cc, *C_FLAGS, str(SOURCE), "-o", str(out), "-lm"], cc, SOURCE.name)
 
 
 @functools.lru_cache(maxsize=1)

@@ -38,6 +38,24 @@ def glue_source(source: Path, names: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def build_once(stem: str, key_parts: list[str], command, compiler: str, source_name: str) -> Path:
+    """The library <stem>-<hash of key_parts>.so in the kernel cache, built once: command(tmp, out) is the compile
+    command (it may write what it needs into the temporary folder tmp); the library is moved into place whole,
+    so a concurrent builder never loads a half-written one."""
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run(command(Path(tmp), out), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed for {source_name}:\n{proc.stderr[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
 def build_source(source: Path, names: tuple[str, ...], tag: str | None = None) -> Path:
     """Build (or reuse) the shared library of source with names; keyed by a hash of all inputs."""
     source = Path(source).resolve()
@@ -45,22 +63,14 @@ def build_source(source: Path, names: tuple[str, ...], tag: str | None = None) -
     glue = glue_source(source, names)
     include_dirs = (str(source.parent), str(KERNEL_DIR))
     texts = [SHIM_HEADER.read_text(), *(p.read_text() for p in _local_files(source)), glue]
-    key = hashlib.sha256("\0".join([cxx, *CXX_FLAGS, *include_dirs, *texts]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{tag or source.stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        glue_path = Path(tmp) / f"{source.stem}_glue.cpp"
+
+    def command(tmp: Path, out: Path) -> list[str]:
+        glue_path = tmp / f"{source.stem}_glue.cpp"
         glue_path.write_text(glue)
-        out = Path(tmp) / target.name
-        cmd = [cxx, *CXX_FLAGS, "-include", str(SHIM_HEADER), *(f"-I{d}" for d in include_dirs)]
-        cmd += [str(glue_path), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"g++ failed for {source.name}:\n{proc.stderr}")
-        os.replace(out, target)
-    return target
+        return [cxx, *CXX_FLAGS, "-include", str(SHIM_HEADER), *(f"-I{d}" for d in include_dirs), str(glue_path),
+                "-o", str(out)]
+
+    return build_once(tag or source.stem, [cxx, *CXX_FLAGS, *include_dirs, *texts], command, cxx, source.name)
 
 
 def _local_files(source: Path) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import peft_reference as ref
 import pytest
@@ -19,25 +20,62 @@ from loraplex.config import EngineConfig
 from loraplex.request import SamplingParams
 
 
+def _rounded_copy(src: str, dst, keep=lambda tensor: False) -> str:
+    """Folder src copied to dst with its safetensors' tensors rounded to fp16 (and back), but those keep says."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for path in Path(dst).glob("*.safetensors"):
+        tensors = {k: v if keep(v) else v.half().float() for k, v in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    return str(dst)
+
+
 @pytest.fixture(scope="module")
 def rounded(lora_family, tmp_path_factory):
     """rounded(arch) -> the family with its checkpoint's matrices rounded to fp16 (the oracle's weights)."""
-    from safetensors.torch import load_file, save_file
-
     cache = {}
 
     def get(arch: str):
         if arch not in cache:
             family = lora_family(arch)
-            folder = tmp_path_factory.mktemp(f"rounded-{arch}") / "model"
-            shutil.copytree(family.model_dir, folder)
-            for path in folder.glob("*.safetensors"):
-                tensors = {k: v.half().float() if v.dim() == 2 else v for k, v in load_file(path).items()}
-                save_file(tensors, path, metadata={"format": "pt"})
-            cache[arch] = family, dataclasses.replace(family, model_dir=str(folder))
+            folder = _rounded_copy(family.model_dir, tmp_path_factory.mktemp(f"rounded-{arch}") / "model",
+                                   keep=lambda tensor: tensor.dim() != 2)
+            cache[arch] = family, dataclasses.replace(family, model_dir=folder)
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def rounded_adapters(lora_family, tmp_path_factory):
+    """rounded_adapters(arch) -> the family with its adapters' weights rounded to fp16 (the oracle's adapters)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            family = lora_family(arch)
+            folders = {name: _rounded_copy(path, tmp_path_factory.mktemp(f"rounded-{arch}-{name}"))
+                       for name, path in family.adapters.items()}
+            cache[arch] = dataclasses.replace(family, adapters=folders)
+        return cache[arch]
+
+    return get
+
+
+def _batch_decodes_as_peft(engine, model_dir: str, adapters: dict[str, str]) -> None:
+    """LOGIT_BATCHES[0] decoded together (the fused q/k/v and gate/up outputs take each row's adapter): each row's
+    8 greedy tokens are peft's on model_dir and adapters."""
+    batch = LOGIT_BATCHES[0]
+    requests = [engine.make_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                  lora_name=name))
+                for i, (prompt, name) in enumerate(batch)]
+    outs = engine.generate(requests)
+    for i, (prompt, name) in enumerate(batch):
+        ids = engine.tokenizer(prompt).input_ids
+        got = [t for o in outs[f"r{i}"] for t in o.token_ids]
+        adapter = adapters[name] if name else None
+        assert got == ref.greedy_tokens(model_dir, adapter, ids, 8, True), (name, prompt)
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
@@ -54,40 +92,7 @@ def test_fp16_weights_match_peft_on_the_rounded_weights(rounded, arch, kernel_mo
         adapter = family.adapters[name] if name else None
         moved = max(moved, float((ref.first_logits(family.model_dir, adapter, ids) - want).abs().max()))
     assert moved > 10 * LOGIT_ATOL  # the rounding is visible: the oracle is not the fp32 model
-    batch = LOGIT_BATCHES[0]  # decoded together: the fused q/k/v and gate/up outputs take each row's adapter
-    requests = [engine.make_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
-                                                                  lora_name=name))
-                for i, (prompt, name) in enumerate(batch)]
-    outs = engine.generate(requests)
-    for i, (prompt, name) in enumerate(batch):
-        ids = engine.tokenizer(prompt).input_ids
-        adapter = family.adapters[name] if name else None
-        got = [t for o in outs[f"r{i}"] for t in o.token_ids]
-        assert got == ref.greedy_tokens(oracle.model_dir, adapter, ids, 8, True), (name, prompt)
-
-
-@pytest.fixture(scope="module")
-def rounded_adapters(lora_family, tmp_path_factory):
-    """rounded_adapters(arch) -> the family with its adapters' weights rounded to fp16 (the oracle's adapters)."""
-    from safetensors.torch import load_file, save_file
-
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            family = lora_family(arch)
-            folders = {}
-            for name, path in family.adapters.items():
-                folder = tmp_path_factory.mktemp(f"rounded-{arch}-{name}")
-                shutil.copytree(path, folder, dirs_exist_ok=True)
-                for file in folder.glob("*.safetensors"):
-                    save_file({k: v.half().float() for k, v in load_file(file).items()}, file,
-                              metadata={"format": "pt"})
-                folders[name] = str(folder)
-            cache[arch] = dataclasses.replace(family, adapters=folders)
-        return cache[arch]
-
-    return get
+    _batch_decodes_as_peft(engine, oracle.model_dir, family.adapters)
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
@@ -101,16 +106,7 @@ def test_fp16_adapters_match_peft_on_the_rounded_adapters(lora_family, rounded_a
     native = engine.model.native_decode
     assert (native is not None and native.serves_lora(slots)) == (kernel_mode == "auto")  # else the torch path
     logits_match_peft(engine, oracle, family.model_dir)
-    batch = LOGIT_BATCHES[0]  # decoded together, rows on different adapters
-    requests = [engine.make_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
-                                                                  lora_name=name))
-                for i, (prompt, name) in enumerate(batch)]
-    outs = engine.generate(requests)
-    for i, (prompt, name) in enumerate(batch):
-        ids = engine.tokenizer(prompt).input_ids
-        adapter = oracle.adapters[name] if name else None
-        got = [t for o in outs[f"r{i}"] for t in o.token_ids]
-        assert got == ref.greedy_tokens(family.model_dir, adapter, ids, 8, True), (name, prompt)
+    _batch_decodes_as_peft(engine, family.model_dir, oracle.adapters)
 
 
 def test_fp16_adapters_are_a_cpu_fp32_option(lora_family):

@@ -136,12 +136,13 @@ def test_dispatch_routes_fp32_cpu_calls_native_and_others_to_the_reference(monke
     assert len(calls) == 1
 
 
-def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog):
-    monkeypatch.setenv("CC", "no-such-compiler-here")
+@pytest.mark.parametrize(("cc", "why"), [("no-such-compiler-here", "no C compiler"), ("false", "false failed for")])
+def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog, cc, why):
+    monkeypatch.setenv("CC", cc)  # none on PATH, or one whose compile fails
     cpu_native.library.cache_clear()
     try:
         assert cpu_native.library() is None
-        assert "native CPU ops unavailable" in caplog.text
+        assert "native CPU ops unavailable" in caplog.text and why in caplog.text
         gate = torch.randn(2, 8)
         torch.testing.assert_close(kernels.silu_mul(gate, gate), F.silu(gate) * gate)
     finally:
