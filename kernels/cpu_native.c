@@ -673,7 +673,8 @@ static void lora_add(const float *x, int64_t x_stride, float *const *y, int64_t 
 }
 
 /* The plan of rows 0..rows-1 on slots (-1: none; else < num_slots) into the caller's arrays (first: rows + 1,
- * order and slot: rows entries); returns the number of items, or -1 for a slot out of range. */
+ * order and slot: rows entries); returns the number of items, -1 for a slot out of range, -2 when memory ran
+ * out. */
 static int64_t lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, int64_t *first, int64_t *order,
                          int32_t *slot) {
     int64_t *count = (int64_t *)calloc((size_t)num_slots + 1, sizeof(int64_t));
