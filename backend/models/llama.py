@@ -124,7 +124,7 @@ class LlamaModel:
         self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.linear_pack
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
-        self.native_decode = None  # cpu_native.DecodeForward: a base-model decode step in one native call
+        self.native_decode = None  # cpu_native.DecodeForward: a decode step in one native call, LoRA included
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         if fp16_weights:
             if torch.device(device).type != "cpu" or dtype != torch.float32:
