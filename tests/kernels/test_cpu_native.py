@@ -251,3 +251,9 @@ def test_argmax_rows_takes_the_first_largest_and_flags_non_finite_rows(rows, voc
         assert not finite and tokens.tolist() == reference.argmax_rows(logits)[0].tolist()
         assert tokens[1] == vocab // 2 and tokens[2] == vocab - 1
         assert reference.argmax_rows(logits)[1] is False
+
+
+def test_the_forwards_lora_order_is_the_slots_module_order():
+    from loraplex.lora.shapes import MODULES
+
+    assert cpu_native.LORA_MODULES == MODULES  # lp_decode_forward reads each layer's stacks in this order
