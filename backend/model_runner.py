@@ -45,6 +45,9 @@ class ModelRunner:
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
+        # the model's one-call decode forward adds these LoRA stacks' deltas itself (decided once: both are fixed)
+        native = model.native_decode
+        self._native_lora = native is not None and lora_slots is not None and native.serves_lora(lora_slots)
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs and plans kept
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
@@ -161,7 +164,7 @@ class ModelRunner:
         if max(slot_list) < 0:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
-        if is_decode and self._native_lora():  # one native call adds each row's delta
+        if is_decode and self._native_lora:  # one native call adds each row's delta
             return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
         if self._torch_lora:
             return self._torch_lora_batch(slots, cu, is_decode)
@@ -169,11 +172,6 @@ class ModelRunner:
             return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
         seg_starts, seg_slots = _segments(slots, cu)
         return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
-
-    def _native_lora(self) -> bool:
-        """Whether the model's one-call decode forward adds this runner's LoRA stacks."""
-        native = self.model.native_decode
-        return native is not None and native.serves_lora(self.lora_slots)
 
     def _torch_lora_batch(self, slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> LoraBatch:
         """Runs of DENSE_LORA_MIN_ROWS rows or more on one adapter (the whole batch, prefill chunks) by two

@@ -672,17 +672,24 @@ static void lora_add(const float *x, int64_t x_stride, float *const *y, int64_t 
     }
 }
 
-/* The plan of rows 0..rows-1 on slots (-1: none; else < num_slots) into the caller's arrays (first: rows + 1,
- * order and slot: rows entries); returns the number of items, -1 for a slot out of range, -2 when memory ran
- * out. */
-static int64_t lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, int64_t *first, int64_t *order,
-                         int32_t *slot) {
+/* The plan of rows 0..rows-1 on slots (-1: none; else < num_slots), its arrays in one allocation (plan->first;
+ * the caller frees it). Returns 0, -1 for a slot out of range, -2 when memory ran out (nothing to free then). */
+static int lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, lp_lora_plan *plan) {
+    *plan = (lp_lora_plan){0, NULL, NULL, NULL};
     int64_t *count = (int64_t *)calloc((size_t)num_slots + 1, sizeof(int64_t));
-    if (!count) return -2;
-    for (int64_t t = 0; t < rows; t++) {
-        if (slots[t] >= num_slots) { free(count); return -1; }
-        if (slots[t] >= 0) count[slots[t] + 1]++;
+    int64_t *mem = (int64_t *)malloc((size_t)(2 * rows + 1) * sizeof(int64_t) + (size_t)(rows + 1) * sizeof(int32_t));
+    int rc = !count || !mem ? -2 : 0;
+    for (int64_t t = 0; t < rows && !rc; t++) {
+        if (slots[t] >= num_slots) rc = -1;
+        else if (slots[t] >= 0) count[slots[t] + 1]++;
     }
+    if (rc) {
+        free(count);
+        free(mem);
+        return rc;
+    }
+    int64_t *first = mem, *order = mem + rows + 1;
+    int32_t *slot = (int32_t *)(mem + 2 * rows + 1);
     for (int64_t s = 0; s < num_slots; s++) count[s + 1] += count[s]; /* count[s]: where slot s's rows start */
     int64_t items = 0, total = count[num_slots];
     for (int64_t s = 0; s < num_slots; s++)
@@ -694,7 +701,8 @@ static int64_t lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, 
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] >= 0) order[count[slots[t]]++] = t;
     free(count);
-    return items;
+    *plan = (lp_lora_plan){items, first, order, slot};
+    return 0;
 }
 
 /* One projection's LoRA deltas for rows on token_slots: y [rows, out] += per row, as above (stacks in fp16 if
@@ -702,19 +710,13 @@ static int64_t lora_plan(const int32_t *slots, int64_t rows, int64_t num_slots, 
 int lp_lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t rows, const int32_t *token_slots,
                 const void *a, const void *bt, const int32_t *ranks, const float *scales, int64_t num_slots,
                 int64_t max_rank, int64_t in, int64_t out, int64_t half) {
-    int64_t *first = (int64_t *)malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
-    int32_t *slot = (int32_t *)malloc((size_t)(rows + 1) * sizeof(int32_t));
-    int rc = 0;
-    if (!first || !slot) rc = -2;
-    const int64_t items = rc ? 0 : lora_plan(token_slots, rows, num_slots, first, first + rows + 1, slot);
-    if (items < 0) rc = (int)items;
-    if (items > 0) {
-        const lp_lora_plan plan = {items, first, first + rows + 1, slot};
+    lp_lora_plan plan;
+    const int rc = lora_plan(token_slots, rows, num_slots, &plan);
+    if (!rc && plan.items) {
         const lp_lora_module m = {a, bt, ranks, scales};
         lora_add(x, x_stride, &y, y_stride, &m, &in, &out, 1, &plan, max_rank, half != 0);
     }
-    free(first);
-    free(slot);
+    free((void *)plan.first);
     return rc;
 }
 
@@ -763,16 +765,7 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
     const float *delta = NULL;
     int rc = 0;
     lp_lora_plan plan = {0, NULL, NULL, NULL};
-    int64_t *plan_rows = NULL;
-    int32_t *plan_slots = NULL;
-    if (s->token_slots) {
-        plan_rows = (int64_t *)malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
-        plan_slots = (int32_t *)malloc((size_t)(rows + 1) * sizeof(int32_t));
-        const int64_t items = !plan_rows || !plan_slots ? -2 : lora_plan(s->token_slots, rows, s->num_slots,
-                                                                          plan_rows, plan_rows + rows + 1, plan_slots);
-        if (items < 0) rc = (int)items;
-        plan = (lp_lora_plan){items, plan_rows, plan_rows + rows + 1, plan_slots};
-    }
+    if (s->token_slots) rc = lora_plan(s->token_slots, rows, s->num_slots, &plan);
     const int adapted = plan.items > 0, lora_half = s->lora_half != 0;
     const int64_t qkv_in[3] = {hid, hid, hid}, qkv_out[3] = {qd, kvd, kvd}, gu_in[2] = {hid, hid};
     const int64_t gu_out[2] = {inter, inter};
@@ -806,7 +799,6 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
     }
     if (!rc) lp_add_rms_norm(h, hid, delta, hid, final_norm, out, hid, rows, hid, m->eps);
     free(buf);
-    free(plan_rows);
-    free(plan_slots);
+    free((void *)plan.first);
     return rc;
 }

@@ -25,17 +25,22 @@ def test_negative_threads_are_refused():
         EngineConfig(cpu_threads=-1)
 
 
+def _engine_sets(demo, knob: str, value: int, get, put) -> None:
+    """An engine built with knob=value leaves get() == value (put restores what was there)."""
+    from loraplex.engine import LLMEngine
+
+    before = get()
+    try:
+        LLMEngine(EngineConfig(model_dir=str(demo["model"]), num_kv_blocks=16, **{knob: value}))
+        assert get() == value
+    finally:
+        put(before)
+
+
 def test_the_engine_sets_torch_threads(demo):
     import torch
 
-    from loraplex.engine import LLMEngine
-
-    before = torch.get_num_threads()
-    try:
-        LLMEngine(EngineConfig(model_dir=str(demo["model"]), cpu_threads=1, num_kv_blocks=16))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    _engine_sets(demo, "cpu_threads", 1, torch.get_num_threads, torch.set_num_threads)
 
 
 def test_native_loops_take_every_cpu_unless_told(monkeypatch):
@@ -51,11 +56,5 @@ def test_native_loops_take_every_cpu_unless_told(monkeypatch):
 
 def test_the_engine_sets_the_native_threads(demo):
     from loraplex import kernels
-    from loraplex.engine import LLMEngine
 
-    before = kernels.native_threads()
-    try:
-        LLMEngine(EngineConfig(model_dir=str(demo["model"]), native_threads=3, num_kv_blocks=16))
-        assert kernels.native_threads() == 3
-    finally:
-        kernels.set_native_threads(before)
+    _engine_sets(demo, "native_threads", 3, kernels.native_threads, kernels.set_native_threads)
