@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,11 +90,14 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     step()
     spent.update(dict.fromkeys(spent, 0.0))
     profiler = cProfile.Profile() if profile else None
+    hosts = []  # each step's host time: its wall time less its forward
     t = time.perf_counter()
     if profiler:
         profiler.enable()
     for _ in range(steps):
+        begin, forward = time.perf_counter(), spent["forward"]
         step()
+        hosts.append(time.perf_counter() - begin - (spent["forward"] - forward))
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - t
@@ -103,6 +107,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     result["runner_ms"] -= result["forward_ms"]  # the runner's own host work: step inputs, sampling
     result["step_ms"] = 1e3 * wall / steps
     result["host_ms"] = result["step_ms"] - result["forward_ms"]
+    result["host_median_ms"] = 1e3 * statistics.median(hosts)
     if profiler:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(45)
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "on the loop thread" if args.inline else "on its own thread"
     print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
           f"torch threads {torch.get_num_threads()}, output processor {where}")
-    print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms")
+    print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms "
+          f"(median step: host {r['host_median_ms']:.2f} ms)")
     parts = ("runner", "schedule", "update", "events") + (("processor",) if args.inline else ())
     rest = r["host_ms"] - sum(r[f"{p}_ms"] for p in parts)
     print(f"  host: schedule {r['schedule_ms']:.2f}, runner inputs + sampling {r['runner_ms']:.2f}, "
