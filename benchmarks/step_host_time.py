@@ -84,6 +84,8 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
 
+    loop_mode = torch.inference_mode()  # as the engine's loop thread runs (LLMEngine._serve)
+    loop_mode.__enter__()
     while len(engine.scheduler.running) < seqs or engine.scheduler.waiting \
             or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         step()  # prefill everything first
@@ -101,6 +103,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - t
+    loop_mode.__exit__(None, None, None)
     engine.processor.stop()
     assert len(engine.scheduler.running) == seqs, "a sequence finished early"
     result = {f"{part}_ms": 1e3 * t / steps for part, t in spent.items()}
