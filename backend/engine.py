@@ -517,8 +517,10 @@ class LLMEngine:
                     log.exception("engine recovery failed; retrying")
                 time.sleep(0.05)  # never spin if the failure repeats
 
+    @torch.inference_mode()
     def _serve(self) -> None:
-        """Step while there is work, sleep on an event otherwise."""
+        """Step while there is work, sleep on an event otherwise (in inference mode: the runner need not enter it
+        each step)."""
         while not self._stopping:
             if not self._runnable():
                 self.processor.loop_quiet.set()

@@ -87,7 +87,7 @@ class ModelRunner:
                 seqs.append(child)
         rows = num + len(batch.forks)
         errors: dict[int, Exception] = {}
-        with torch.inference_mode():
+        with _inference_mode():
             with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
                 hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
                 if not sample_seqs:
@@ -108,7 +108,7 @@ class ModelRunner:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
             else:  # nobody reads them: skip a logsumexp over the vocabulary per row
                 chosen = tops = None
-            token_array = tokens.cpu().numpy()
+            token_array = (tokens if self._on_cpu else tokens.cpu()).numpy()
             tokens = token_array.tolist()
         if not errors:
             self._inputs.sampled(token_array, (lora, sampling))
@@ -223,6 +223,11 @@ def _sampling_rows(seqs) -> tuple[list, list, list[int], bool]:
         if request.wants_logprobs:
             wants_logprobs = True
     return params, generators, random_rows, wants_logprobs
+
+
+def _inference_mode():
+    """torch's inference mode, unless the thread is in it already (the engine's loop thread enters it once)."""
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 
 @contextlib.contextmanager

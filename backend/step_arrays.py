@@ -8,6 +8,8 @@ from operator import is_
 
 import numpy as np
 
+from . import kernels
+
 
 @dataclass(slots=True)
 class StepArrays:
@@ -86,10 +88,11 @@ class RepeatedDecode:
 
     A decode step repeats the last committed one when it runs the same sequences in the
     same order (identity) and the scheduler applied exactly that step's tokens since
-    (``SchedulerOutput.num_updates``). Then its inputs follow from the last step's in a
-    few vector ops, without touching the sequences: positions + 1, the sampled tokens as
-    input ids, and only the block-table rows the scheduler allocated for
-    (``SchedulerOutput.allocated``: a new block, copy-on-write) read again. Any other
+    (``SchedulerOutput.num_updates``). Then its inputs follow from the last step's, in
+    place and in one native pass (``kernels.advance_decode``), without touching the
+    sequences: positions + 1, the sampled tokens as input ids, and only the block-table
+    rows the scheduler allocated for (``SchedulerOutput.allocated``: a new block,
+    copy-on-write) read again. Any other
     step rebuilds (``StepArrays.build``) and starts over. The arrays are the same as a
     rebuild's. ``sampled`` commits a step after sampling, with the caller's plans for it
     (the runner's LoRA plan and sampling rows), which ``build`` hands back while the batch
@@ -128,22 +131,18 @@ class RepeatedDecode:
             self._tokens, self._plans, self._pending = tokens, plans, None
 
     def _advance(self, batch) -> StepArrays:
-        last, tables = self._step, batch.block_tables
-        positions = last.positions + 1
-        block_tables = last.block_tables
+        """The last step's arrays moved on one token, in place (a step built from them and not sampled leaves
+        nothing to repeat, so they are never read as they were): only allocated block-table rows read again."""
+        step, tables = self._step, batch.block_tables
         if batch.allocated:
-            width = max(block_tables.shape[1], max(len(tables[i]) for i in batch.allocated))
-            if width > block_tables.shape[1]:
-                block_tables = np.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
-            else:
-                block_tables = block_tables.copy()  # the last step's stays as it was
+            width = max(len(tables[i]) for i in batch.allocated)
+            if width > step.block_tables.shape[1]:
+                step.block_tables = np.pad(step.block_tables, ((0, 0), (0, width - step.block_tables.shape[1])))
+            block_tables = step.block_tables
             for i in batch.allocated:
                 row = tables[i]
                 block_tables[i, :len(row)] = row
-        num = len(positions)
-        block, offset = np.divmod(positions, self.block_size)
-        slot_mapping = block_tables[np.arange(num), block].astype(np.int64)
-        slot_mapping *= self.block_size
-        slot_mapping += offset
-        return StepArrays(self._tokens, positions, slot_mapping, block_tables, np.add(positions, 1, dtype=np.int32),
-                          last.cu, last.sample_rows, last.sample_seqs, True)
+        kernels.advance_decode(step.positions, step.slot_mapping, step.context_lens, step.block_tables,
+                               self.block_size)
+        step.input_ids = self._tokens
+        return step

@@ -145,3 +145,11 @@ __all__ = [
     "uses_kernels",
     "write_kv",
 ]
+
+
+def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size):
+    """A repeated decode step's host arrays (numpy) from the last step's, in place: positions + 1, context_lens
+    (positions + 1) and each row's KV slot from its block table; one native pass where the library is built."""
+    native = dispatch.MODE == "auto" and cpu_native.library() is not None
+    (cpu_native if native else reference).advance_decode(positions, slot_mapping, context_lens, block_tables,
+                                                         block_size)

@@ -464,6 +464,23 @@ void lp_gemm_f32(const float *x, int64_t x_stride, const float *panels, const fl
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 
+/* ---- a repeated decode step's host arrays, from the last step's in place (step_arrays.RepeatedDecode) ---- */
+
+/* positions += 1, context_lens = positions + 1, slot_mapping = the row's block (block_tables [rows, width]) for
+ * its position * block_size + the offset in it. Returns -1 (nothing past that row written) when a position's
+ * block is past its row's width. */
+int lp_advance_decode(int64_t *positions, int64_t *slot_mapping, int32_t *context_lens, const int32_t *block_tables,
+                      int64_t rows, int64_t width, int64_t block_size) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = positions[r] + 1, block = p / block_size;
+        if (p < 0 || block >= width) return -1;
+        positions[r] = p;
+        context_lens[r] = (int32_t)(p + 1);
+        slot_mapping[r] = (int64_t)block_tables[r * width + block] * block_size + p % block_size;
+    }
+    return 0;
+}
+
 /* ---- greedy sampling: each row's argmax, and whether every logit is finite, in one pass over the logits ---- */
 
 /* The first index of value m in v[0..n) (m is there). */

@@ -50,6 +50,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_threads": ([], ctypes.c_int),
     "lp_decode_forward": ([_P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
     "lp_argmax_rows": ([_P, _I, _I, _I, _P], ctypes.c_int64),
+    "lp_advance_decode": ([_P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
     "lp_lora_add": ([_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I], ctypes.c_int),
 }
 
@@ -200,6 +201,14 @@ def argmax_rows(logits):
     out = torch.empty(rows, dtype=torch.int64)
     bad = library().lp_argmax_rows(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
     return out, bad == 0
+
+
+def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size: int) -> None:
+    """reference.advance_decode in one pass over the rows (C-contiguous int64, int64, int32, int32 [rows, width])."""
+    rows, width = block_tables.shape
+    if library().lp_advance_decode(positions.ctypes.data, slot_mapping.ctypes.data, context_lens.ctypes.data,
+                                   block_tables.ctypes.data, rows, width, block_size):
+        raise IndexError("advance_decode: a position's block is past its block table")
 
 
 class Panels:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -517,3 +518,18 @@ def argmax_rows(logits):
     else:
         tokens = torch.argmax(logits, dim=-1)
     return tokens, math.isfinite(logits.sum().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# A repeated decode step's host arrays
+# ---------------------------------------------------------------------------------------------
+
+
+def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size: int) -> None:
+    """The next decode step's host arrays (numpy) from the last one's, in place: each position + 1, its context
+    length (position + 1) and its KV slot (its block in the row's block table [rows, width], and the offset)."""
+    positions += 1
+    np.add(positions, 1, out=context_lens, casting="unsafe")
+    block, offset = np.divmod(positions, block_size)
+    np.multiply(block_tables[np.arange(len(positions)), block], block_size, out=slot_mapping, casting="unsafe")
+    slot_mapping += offset

@@ -257,3 +257,28 @@ def test_the_forwards_lora_order_is_the_slots_module_order():
     from loraplex.lora.shapes import MODULES
 
     assert cpu_native.LORA_MODULES == MODULES  # lp_decode_forward reads each layer's stacks in this order
+
+
+def test_advance_decode_moves_each_row_on_one_token_as_the_reference_does():
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    block_size, rows, width = 16, 37, 5
+    positions = rng.integers(0, width * block_size - 1, rows).astype(np.int64)
+    positions[:3] = [14, 15, 31]  # the next token opens a new block, or stays in the last slot of one
+    tables = rng.permutation(1000)[: rows * width].astype(np.int32).reshape(rows, width)
+    got = [positions.copy(), np.zeros(rows, np.int64), np.zeros(rows, np.int32)]
+    want = [positions.copy(), np.zeros(rows, np.int64), np.zeros(rows, np.int32)]
+    cpu_native.advance_decode(*got, tables, block_size)
+    reference.advance_decode(*want, tables, block_size)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    p = positions + 1
+    assert got[0].tolist() == p.tolist() and got[2].tolist() == (p + 1).tolist()
+    assert got[1].tolist() == (tables[np.arange(rows), p // block_size] * block_size + p % block_size).tolist()
+    assert got[1][:3].tolist() == [tables[0, 0] * 16 + 15, tables[1, 1] * 16, tables[2, 2] * 16]
+    last = np.array([width * block_size - 1], np.int64)  # its next token needs a block the table lacks
+    with pytest.raises(IndexError):
+        cpu_native.advance_decode(last, np.zeros(1, np.int64), np.zeros(1, np.int32), tables[:1], block_size)
+    with pytest.raises(IndexError):
+        reference.advance_decode(last.copy(), np.zeros(1, np.int64), np.zeros(1, np.int32), tables[:1], block_size)
