@@ -280,6 +280,7 @@ class Sequence:
     suspect: bool = False  # a step it was admitted in raised: it is admitted again only as its step's sole newcomer
     stop_length: int = 0  # length at which it may have finished (max_tokens, the model's), set when queued
     stop_ids: frozenset = frozenset()  # tokens that may finish it (stop token ids, EOS unless ignore_eos)
+    charge_key: tuple | None = None  # (tenant, fair-share weight) its tokens are charged to, set when queued
 
     @property
     def num_output_tokens(self) -> int:

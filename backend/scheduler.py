@@ -20,9 +20,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .fair_share import ActiveRequests, VirtualTokenCounter
 from .kv_cache.manager import KVCacheManager
@@ -103,8 +104,10 @@ class Scheduler:
         params = seq.request.params
         stop_length = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        charge_key = (seq.request.tenant, _weight(seq.request))
         for s in (seq, *seq.forks):
             s.stop_length, s.stop_ids = stop_length, stop_ids  # update's cheap test for _finish_reason
+            s.charge_key = charge_key
         for child in seq.forks:
             child.status, child.fork_parent = SeqStatus.FORK_PENDING, seq
         self.waiting.push(seq)
@@ -464,13 +467,13 @@ class Scheduler:
 
         The hot loop of a step: per sequence a few list and attribute operations; a block's
         prefix hash only when the step filled it, a finish reason only when the sequence's
-        length or token says it may have one, fair-share charges once per tenant.
+        length or token says it may have one; fair-share charges counted in C (a Counter
+        over each sequence's charge key) and charged once per tenant.
         """
         changed: list[Sequence] = []
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
-        charges: dict | None = {} if self.vtc is not None else None
         maybe_done: list[tuple[Sequence, int]] = []  # (seq, token) that may have finished: ended after the charges
         finished_status, counts, seqs = SeqStatus.FINISHED, batch.num_new_tokens, batch.seqs
         # A decode step without forks (most steps) takes every row's token in the one loop below; any other
@@ -490,14 +493,11 @@ class Scheduler:
                 seq.cumulative_logprob += logprobs[row]
                 if tops[row] is not None:
                     seq.pending_logprobs.append(tops[row])
-            if charges is not None:
-                key = (seq.request.tenant, _weight(seq.request))
-                charges[key] = charges.get(key, 0) + 1
             if len(ids) >= seq.stop_length or token in seq.stop_ids:
                 maybe_done.append((seq, token))
             changed.append(seq)
-        if charges:  # before any end: a tenant's last request retiring it must see its tokens charged
-            for (tenant, weight), count in charges.items():
+        if self.vtc is not None:  # before any end: a tenant's last request retiring it must see its tokens charged
+            for (tenant, weight), count in Counter(map(_CHARGE_KEY, changed)).items():
                 self.vtc.charge(tenant, count, weight)
         finished = False
         for seq, token in maybe_done:
@@ -572,6 +572,9 @@ class Scheduler:
         if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+_CHARGE_KEY = attrgetter("charge_key")
 
 
 def _weight(request) -> float:
