@@ -92,8 +92,8 @@ class RepeatedDecode:
     place and in one native pass (``kernels.advance_decode``), without touching the
     sequences: positions + 1, the sampled tokens as input ids, and only the block-table
     rows the scheduler allocated for (``SchedulerOutput.allocated``: a new block,
-    copy-on-write) read again. Any other
-    step rebuilds (``StepArrays.build``) and starts over. The arrays are the same as a
+    copy-on-write) read again. Any other step rebuilds (``StepArrays.build``) and starts
+    over. The arrays are the same as a
     rebuild's. ``sampled`` commits a step after sampling, with the caller's plans for it
     (the runner's LoRA plan and sampling rows), which ``build`` hands back while the batch
     repeats; a step built and not sampled (its forward raised) leaves nothing to repeat.

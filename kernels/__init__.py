@@ -123,7 +123,16 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, co
     return run("paged_attention_prefill", q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
 
 
+def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size):
+    """A repeated decode step's host arrays (numpy) from the last step's, in place: positions + 1, context_lens
+    (positions + 1) and each row's KV slot from its block table; one native pass where the library is built."""
+    native = dispatch.MODE == "auto" and cpu_native.library() is not None
+    (cpu_native if native else reference).advance_decode(positions, slot_mapping, context_lens, block_tables,
+                                                         block_size)
+
+
 __all__ = [
+    "advance_decode",
     "add_rms_norm",
     "check_model",
     "copy_blocks",
@@ -145,11 +154,3 @@ __all__ = [
     "uses_kernels",
     "write_kv",
 ]
-
-
-def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size):
-    """A repeated decode step's host arrays (numpy) from the last step's, in place: positions + 1, context_lens
-    (positions + 1) and each row's KV slot from its block table; one native pass where the library is built."""
-    native = dispatch.MODE == "auto" and cpu_native.library() is not None
-    (cpu_native if native else reference).advance_decode(positions, slot_mapping, context_lens, block_tables,
-                                                         block_size)
