@@ -59,16 +59,13 @@ class StepArrays:
             add_start(p)
             if len(tokens) != p + 1:
                 unsampled.append(i)  # not its last token: a one-token prompt chunk
-        positions = np.fromiter(starts, np.int64, num)
+        positions = np.fromiter(starts, np.int64, num) - 1  # one token back: advance_decode moves them on
         block_tables = _padded(tables)
-        block, offset = np.divmod(positions, block_size)
-        slot_mapping = block_tables[np.arange(num), block].astype(np.int64)
-        slot_mapping *= block_size
-        slot_mapping += offset
+        slot_mapping, context_lens = np.empty(num, np.int64), np.empty(num, np.int32)
+        kernels.advance_decode(positions, slot_mapping, context_lens, block_tables, block_size)
         sample_seqs = np.delete(np.arange(num), unsampled) if unsampled else np.arange(num)
-        return cls(np.fromiter(ids, np.int64, num), positions, slot_mapping, block_tables,
-                   np.add(positions, 1, dtype=np.int32), np.arange(num + 1, dtype=np.int32), sample_seqs, sample_seqs,
-                   True)
+        return cls(np.fromiter(ids, np.int64, num), positions, slot_mapping, block_tables, context_lens,
+                   np.arange(num + 1, dtype=np.int32), sample_seqs, sample_seqs, True)
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:
