@@ -159,18 +159,25 @@ def answers_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _guard_main(pgid: int, grace: float) -> None:
+def _guard_main(pgid: int, grace: float, stop_file: str) -> None:
     """The guard: wait for the launcher to go; if it went without stopping the server, end the group.
 
     Its stdin is a pipe whose only writer is the launcher, so EOF means the launcher
-    process is gone, however it ended. It sends the server ``DEATH_SIGNAL`` (graceful), waits
-    up to ``grace`` s for it to exit, then kills the whole group: Python-backend stubs whose
-    parent dies while our model is sending deadlock in Triton 2.51 and never exit.
+    process is gone, however it ended. It stops the server as the launcher would have: the
+    stop file first (the model ends its streams within 0.1 s, while Triton can still deliver
+    the ends; its readiness poll alone takes up to 1 s, long enough for a fast engine to
+    finish them), then ``DEATH_SIGNAL`` (graceful); it waits up to ``grace`` s for the server
+    to exit, then kills the whole group: Python-backend stubs whose parent dies while our
+    model is sending deadlock in Triton 2.51 and never exit.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.stdin.buffer.read() == GUARD_DONE or not any(p.pgid == pgid for p in processes()):
         return
     regions = group_shm_regions(pgid)
+    try:
+        open(stop_file, "ab").close()
+    except OSError:
+        pass  # the readiness poll still ends the streams
     try:
         os.kill(pgid, DEATH_SIGNAL)
     except ProcessLookupError:
@@ -179,7 +186,11 @@ def _guard_main(pgid: int, grace: float) -> None:
     while process_running(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     kill_group(pgid, regions)
+    try:
+        os.unlink(stop_file)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:  # the guard process (TritonServer.start)
-    _guard_main(int(sys.argv[2]), float(sys.argv[3]))
+    _guard_main(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])

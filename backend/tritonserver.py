@@ -352,7 +352,8 @@ class TritonServer:
                                      stderr=subprocess.STDOUT)
         self._stopped = False
         try:
-            guard = [sys.executable, "-I", "-S", procs.__file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5)]
+            guard = [sys.executable, "-I", "-S", procs.__file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5),
+                     str(self.stop_file)]
             self._guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                            stderr=self._log_file, start_new_session=True)
         except OSError:
