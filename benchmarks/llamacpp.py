@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loraplex.tritonserver import free_ports
-from serving import BASE_MODEL, Launcher, model_and_adapters, warm_up
+from serving import BASE_MODEL, Launcher, model_and_adapters, server_environment, server_threads, warm_up
 from triton_overhead import QUESTIONS, concurrently, parameters, prompts_for, through_triton
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its CHANGELOG: llama.cpp at ggml-org/llama.cpp@0c1e57098
@@ -216,6 +216,7 @@ class LlamaServer(Launcher):
         for lora in loras:
             self.command += ["--lora", str(lora)]
         self.log_path = log_path
+        self.env = server_environment()
         self.proc = None
 
 
@@ -319,7 +320,9 @@ def main(argv=None) -> int:
     ours = Launcher(model_flags, engine_config, work / "store", work / "loraplex-serve.log")
     llamas = [LlamaServer(binary, gguf, loras, t, slots, args.ctx_per_seq, work / f"llama-server-t{t}.log")
               for t in thread_counts]
-    log(f"logs in {work}; llama-server: {' '.join(llamas[0].command[1:])}")
+    torch_threads, native_threads = server_threads(engine_config)
+    log(f"logs in {work}; ours: {torch_threads} torch, {native_threads} native threads; "
+        f"llama-server: {' '.join(llamas[0].command[1:])}")
     rows = []
     try:
         ours.start(args.ready_timeout)

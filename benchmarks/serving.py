@@ -265,16 +265,39 @@ def model_and_adapters(args: argparse.Namespace) -> tuple[list[str], Path, list[
     return ["--model", args.model], checkpoint, names
 
 
-class Launcher:
-    """One `loraplex-serve` in its own process group, on free ports, with a private adapter store."""
+# Thread settings a harness may run under for its own in-process work (`OMP_NUM_THREADS=1 python benchmarks/...`):
+# the servers it starts do not inherit them, so they run as `make serve` would here (set them by env= / engine knobs).
+HARNESS_ONLY_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-    def __init__(self, model_flags: list[str], engine_config: dict, store: Path, log_path: Path):
+
+def server_environment(extra: dict | None = None) -> dict:
+    """The environment a benchmarked server starts with: this one without HARNESS_ONLY_ENV, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in HARNESS_ONLY_ENV}, **(extra or {})}
+
+
+def server_threads(engine_config: dict, env: dict | None = None) -> tuple[int, int]:
+    """(torch threads, native threads) of a server started with engine_config and server_environment(env),
+    as its engine picks them (docs/configuration.md: cpu_threads, native_threads)."""
+    from loraplex.config import native_cpu_threads, serving_cpu_threads
+
+    environ = server_environment(env)
+    torch_threads = engine_config.get("cpu_threads") or serving_cpu_threads(environ) or int(environ["OMP_NUM_THREADS"])
+    return torch_threads, native_cpu_threads(engine_config.get("native_threads", 0), environ)
+
+
+class Launcher:
+    """One `loraplex-serve` in its own process group, on free ports, with a private adapter store, in
+    server_environment(env)."""
+
+    def __init__(self, model_flags: list[str], engine_config: dict, store: Path, log_path: Path,
+                 env: dict | None = None):
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.command = [str(Path(sys.executable).with_name("loraplex-serve")), *model_flags, "--quiet",
                         "--address", "127.0.0.1", "--http-port", str(self.http_port),
                         "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
                         "--adapter-store", str(store), "--engine-config", json.dumps(engine_config)]
         self.log_path = log_path
+        self.env = server_environment(env)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -292,7 +315,7 @@ class Launcher:
     def start(self, ready_timeout: float) -> "Launcher":
         """Start it and wait until READY_PATH answers (Triton: /v2/health/ready)."""
         with open(self.log_path, "wb") as log:
-            self.proc = start_in_session(self.command, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = start_in_session(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + ready_timeout
         while not answers_ok(f"{self.http_url}{self.READY_PATH}"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -638,15 +661,6 @@ def sent_jobs(out_dir: Path, tokenizer) -> list[peers.Job]:
     return jobs
 
 
-def server_torch_threads(engine_config: dict) -> int:
-    """The torch threads the server's engine runs with (docs/configuration.md, cpu_threads)."""
-    from loraplex.config import serving_cpu_threads
-
-    if engine_config.get("cpu_threads"):
-        return engine_config["cpu_threads"]
-    return serving_cpu_threads() or int(os.environ["OMP_NUM_THREADS"])
-
-
 PEERS = {  # name -> what it is, with {b} for the static batch size
     "peft-one-at-a-time": "peft, one adapter at a time, static batches of {b}",
     "peft-mixed": "peft, mixed-adapter static batches of {b} (adapter_names)",
@@ -731,7 +745,7 @@ def measure_w1(w1: W1, name: str, engine_config: dict, peer_names: list[str], ar
     if (len(jobs), sum(j.max_tokens for j in jobs)) != (w1.requests, w1.output_total):
         raise RuntimeError(f"AIPerf sent {len(jobs)} requests for {sum(j.max_tokens for j in jobs)} tokens, the "
                            f"dataset has {w1.requests} for {w1.output_total}")
-    threads = server_torch_threads(engine_config)
+    threads = server_threads(engine_config)[0]
     results = measure_peers(peer_names, model_dir, adapters_dir, jobs, w1.peer_batch, threads)
     return {"workload": asdict(w1), "config": name, "engine_config": engine_config, "adapters": adapters,
             "torch_threads": threads, "ours": ours, "peers": results, "ratios": w1_ratios(ours, results)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serving import BASE_MODEL, Launcher, model_and_adapters, warm_up  # noqa: E402
+from serving import BASE_MODEL, Launcher, model_and_adapters, server_threads, warm_up  # noqa: E402
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
@@ -128,13 +127,7 @@ def in_process(engine, prompts: list[str], adapters: list[str], max_tokens: int,
 
 def start_server(model_flags: list[str], engine_config: dict, work: Path, server_env: dict) -> Launcher:
     """`loraplex-serve` on free ports, with server_env added to the environment it starts with."""
-    saved = {k: os.environ.get(k) for k in server_env}
-    os.environ.update(server_env)
-    try:
-        return Launcher(model_flags, engine_config, work / "store", work / "serve.log").start(ready_timeout=300)
-    finally:
-        for k, v in saved.items():  # the server's settings only, not this process's
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return Launcher(model_flags, engine_config, work / "store", work / "serve.log", server_env).start(ready_timeout=300)
 
 
 def main(argv=None) -> int:
@@ -150,7 +143,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from loraplex.config import EngineConfig, serving_cpu_threads
+    from loraplex.config import EngineConfig
     from loraplex.engine import LLMEngine
     from loraplex.serve import builtin_model
 
@@ -158,13 +151,14 @@ def main(argv=None) -> int:
         launcher = start_server(model_flags, engine_config, Path(work), server_env)
         try:
             warm_up(launcher.http_url, sorted(set(adapters)))
-            torch.set_num_threads(args.threads or serving_cpu_threads() or torch.get_num_threads())
+            torch_threads, native_threads = server_threads(engine_config, server_env)
+            torch.set_num_threads(args.threads or torch_threads)
             multi_lora = {}
             if not args.model_dir:
                 adapters_dir = builtin_model(args.model)[1]
                 multi_lora = {n: str(adapters_dir / n) for n in adapters if n != BASE_MODEL}
             engine = LLMEngine(EngineConfig.from_dict({"model_dir": str(checkpoint), "multi_lora": multi_lora,
-                                                       **engine_config}))
+                                                       "native_threads": native_threads, **engine_config}))
             in_process(engine, prompts_for(args.model, 1), adapters, 4, "warm")
             rows = []
             for n in streams:
@@ -174,7 +168,8 @@ def main(argv=None) -> int:
                     ours = max(ours, in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
                     triton = max(triton, through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
                 rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours})
-                print(f"streams {n:>3}, {torch.get_num_threads()} torch threads in-process: in-process "
+                print(f"streams {n:>3}, {torch.get_num_threads()} torch and {native_threads} native threads on both "
+                      f"sides: in-process "
                       f"{ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, Triton / in-process {triton / ours:.2f}",
                       flush=True)
         finally:

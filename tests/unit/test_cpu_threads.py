@@ -58,3 +58,17 @@ def test_the_engine_sets_the_native_threads(demo):
     from loraplex import kernels
 
     _engine_sets(demo, "native_threads", 3, kernels.native_threads, kernels.set_native_threads)
+
+
+def test_a_benchmarked_server_does_not_inherit_the_harness_threads(monkeypatch):
+    """`OMP_NUM_THREADS=1 python benchmarks/...` is for the harness's own work: the server it starts runs as
+    `make serve` would (an inherited OMP_NUM_THREADS=1 had put the server's native loops on one thread)."""
+    from scripts import load_benchmark
+
+    serving = load_benchmark("serving")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert "OMP_NUM_THREADS" not in serving.server_environment()
+    assert serving.server_environment({"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
+    assert serving.server_threads({}) == (1, 2)
+    assert serving.server_threads({"native_threads": 1}, {"OMP_NUM_THREADS": "2"}) == (2, 1)
