@@ -20,6 +20,11 @@ from .step_arrays import RepeatedDecode
 # dense matmuls; shorter runs (decode rows of many adapters) go into slot tiles.
 DENSE_LORA_MIN_ROWS = 8
 
+# A step with prefill runs in the model's one-call decode forward, every token a query row of its own against
+# its sequence's context (the rows write their K/V before any row attends), while its prompt rows read at most
+# this many keys in all: each row re-reads its sequence's keys, so long prompts keep the prefill kernel's reuse.
+ROWS_FORM_MAX_PREFILL_KEYS = 1 << 16
+
 
 @dataclass(slots=True)
 class RunnerOutput:
@@ -48,6 +53,7 @@ class ModelRunner:
         # the model's one-call decode forward adds these LoRA stacks' deltas itself (decided once: both are fixed)
         native = model.native_decode
         self._native_lora = native is not None and lora_slots is not None and native.serves_lora(lora_slots)
+        self._rows_form = native is not None and (lora_slots is None or self._native_lora)
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs and plans kept
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
@@ -63,7 +69,8 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
-        attn = AttentionBatch(
+        rows_form = not step.is_decode and self._rows_form and _prefill_keys(step) <= ROWS_FORM_MAX_PREFILL_KEYS
+        attn = self._rows_attention(step) if rows_form else AttentionBatch(
             positions=self._tensor(step.positions),
             slot_mapping=self._tensor(step.slot_mapping),
             block_tables=self._tensor(step.block_tables),
@@ -71,10 +78,10 @@ class ModelRunner:
             cu_query_lens=self._tensor(step.cu),
             is_decode=step.is_decode,
         )
-        if not step.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
+        if not attn.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
             kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
                                           step.context_lens.tolist())
-        lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode), None)
+        lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode, rows_form), None)
         num = len(batch.seqs)
         sample_seqs = step.sample_seqs.tolist()
         every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
@@ -155,17 +162,28 @@ class ModelRunner:
         data = self.host_cache.index_select(2, torch.tensor(host, dtype=torch.int64))
         self.kv_cache.index_copy_(2, self._tensor(dev), data.to(self.device, non_blocking=True))
 
-    def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool) -> LoraBatch | None:
-        """Per-row slots for a decode step (one token per sequence), segments for a step with prefill; on the
-        torch path, dense runs for long runs of one adapter and slot tiles for the other rows."""
+    def _rows_attention(self, step) -> AttentionBatch:
+        """A step with prefill in the decode form: each token a row with its own context length (its position
+        + 1) and its sequence's block table."""
+        owner = np.repeat(np.arange(len(step.context_lens)), np.diff(step.cu))
+        rows = len(owner)
+        return AttentionBatch(self._tensor(step.positions), self._tensor(step.slot_mapping),
+                              self._tensor(step.block_tables[owner]), self._tensor((step.positions + 1).astype(np.int32)),
+                              self._tensor(np.arange(rows + 1, dtype=np.int32)), True)
+
+    def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraBatch | None:
+        """Per-row slots for a decode step (one token per sequence) or a step in the decode form, segments for a
+        step with prefill; on the torch path, dense runs for long runs of one adapter and slot tiles for the
+        other rows."""
         if self.lora_slots is None:
             return None
         slot_list = [seq.adapter_slot for seq in batch.seqs]
         if max(slot_list) < 0:
             return None
         slots = np.fromiter(slot_list, np.int32, len(slot_list))
-        if is_decode and self._native_lora:  # one native call adds each row's delta
-            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
+        if (is_decode or rows_form) and self._native_lora:  # one native call adds each row's delta
+            row_slots = slots if is_decode else np.repeat(slots, np.diff(cu))
+            return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, True)
         if self._torch_lora:
             return self._torch_lora_batch(slots, cu, is_decode)
         if is_decode:
@@ -200,6 +218,13 @@ class ModelRunner:
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+def _prefill_keys(step) -> int:
+    """The keys the step's prompt rows (those of sequences with more than one new token) attend to, in all."""
+    counts = np.diff(step.cu)
+    prompt_rows = np.repeat(counts > 1, counts)
+    return int(step.positions[prompt_rows].sum()) + int(np.count_nonzero(prompt_rows))
 
 
 def _segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

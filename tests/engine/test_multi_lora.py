@@ -298,6 +298,41 @@ def test_first_step_logits_match_peft(lora_family, lora_arch, kernel_mode):
     print(f"{lora_arch}: max |engine - peft| logit difference {worst:.2e}")
 
 
+@pytest.mark.parametrize("rows_form", [True, False])
+@pytest.mark.parametrize("budget", [1024, 16])  # one step for the batch; or each prompt in chunks of 16 tokens
+def test_a_prefill_step_in_either_form_matches_peft(lora_family, kernel_mode, monkeypatch, rows_form, budget):
+    # through the runner: a step with prefill runs in the one-call decode forward, a row per token, while its
+    # prompt rows read at most ROWS_FORM_MAX_PREFILL_KEYS keys (chunks after the first read the cached ones),
+    # else by the prefill path; peft's logits either way
+    from loraplex import model_runner
+
+    if kernel_mode != "auto":
+        pytest.skip("the decode form is the native forward's")
+    if not rows_form:
+        monkeypatch.setattr(model_runner, "ROWS_FORM_MAX_PREFILL_KEYS", 0)
+    family = lora_family("llama-gqa")
+    engine = make_engine(family, max_num_batched_tokens=budget)
+    rows_seen, logits = [], []
+    native, head = engine.model.native_decode, engine.model.logits
+    engine.model.native_decode = lambda h, *args: rows_seen.append(h.shape[0]) or native(h, *args)
+    engine.model.logits = lambda h: logits.append(head(h)) or logits[-1]
+    batch = [("Hello world", "attn-r4"), (SHARED, None), (LONG, "all-r16")]
+    prompts = [engine.tokenizer(p).input_ids for p, _ in batch]
+    if budget >= sum(map(len, prompts)):
+        engine.generate([engine.make_request(f"r{i}", p, greedy(1, name)) for i, (p, name) in enumerate(batch)])
+        got = logits[0]
+        assert rows_seen == ([sum(map(len, prompts))] if rows_form else [])
+    else:
+        got = []
+        for i, (p, name) in enumerate(batch):
+            engine.generate([engine.make_request(f"c{i}", p, greedy(1, name))])
+            got.append(logits[-1][0])
+        assert max(rows_seen, default=0) <= budget and (len(rows_seen) > len(batch)) == rows_form
+    for i, (ids, (_, name)) in enumerate(zip(prompts, batch)):
+        want = ref.first_logits(family.model_dir, family.adapters[name] if name else None, ids)
+        torch.testing.assert_close(got[i], want, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("path", ["dense", "tiles"])
 def test_torch_path_matches_peft(lora_family, lora_arch, path):
     # each row's adapter added by two matmuls over its run of rows, or by slot tiles read in place from the
@@ -318,7 +353,8 @@ def test_torch_path_matches_peft(lora_family, lora_arch, path):
 
 
 def test_the_runner_hands_dense_runs_where_they_pay(lora_family, kernel_mode):
-    # the torch path plans dense runs and tiles; with the native one-call forward a decode step hands per-row slots
+    # the torch path plans dense runs and tiles; with the native one-call forward every step hands per-row slots,
+    # a short prefill's too (it runs in the decode form: model_runner.ROWS_FORM_MAX_PREFILL_KEYS)
     family = lora_family("llama-gqa")
     engine = make_engine(family)
     native = engine.model.native_decode is not None
@@ -334,16 +370,20 @@ def test_the_runner_hands_dense_runs_where_they_pay(lora_family, kernel_mode):
         decodes = [batch for batch in seen if batch.is_decode]
         one_adapter = loras == [name, name]  # two rows on one adapter: a dense run; else slot tiles
         assert decodes
-        if native:  # each row's slot, -1 for the base model's
+        prompt_rows = [len(engine.tokenizer(p).input_ids) for p in prompts]
+        if native:  # each row's slot, -1 for the base model's; the prefill first, a row per prompt token
+            prefill, decodes = decodes[0], decodes[1:]
             on_adapter = sorted(lora is not None for lora in loras)
-            assert all(batch.dense_runs is None and batch.tiles is None for batch in decodes)
+            assert all(batch.dense_runs is None and batch.tiles is None for batch in seen)
+            assert prefill.token_slots.tolist() == [s for n, s in zip(prompt_rows, decodes[0].token_slots.tolist())
+                                                    for _ in range(n)]
             assert all(sorted(s >= 0 for s in batch.token_slots.tolist()) == on_adapter for batch in decodes)
-        else:
-            assert all(bool(batch.dense_runs) == one_adapter for batch in decodes)
-            assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
+            continue
+        assert all(bool(batch.dense_runs) == one_adapter for batch in decodes)
+        assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
         prefill = next(batch for batch in seen if not batch.is_decode)  # long runs: dense, base rows in none
         covered = sum(end - start for start, end, _ in prefill.dense_runs)
-        assert covered == sum(len(engine.tokenizer(p).input_ids) for p, lora in zip(prompts, loras) if lora)
+        assert covered == sum(n for n, lora in zip(prompt_rows, loras) if lora)
 
 
 def test_the_torch_path_plan_covers_each_adapter_row_once(lora_family):
