@@ -21,9 +21,11 @@ from .step_arrays import RepeatedDecode
 DENSE_LORA_MIN_ROWS = 8
 
 # A step with prefill runs in the model's one-call decode forward, every token a query row of its own against
-# its sequence's context (the rows write their K/V before any row attends), while its prompt rows read at most
-# this many keys in all: each row re-reads its sequence's keys, so long prompts keep the prefill kernel's reuse.
-ROWS_FORM_MAX_PREFILL_KEYS = 1 << 16
+# its sequence's context (the rows write their K/V before any row attends), while its prompt rows attend to at
+# most this many keys each on average: each row re-reads its sequence's keys, which costs little next to its
+# GEMMs up to a few thousand (SmolLM2 on 2 CPU cores, one 2,048-token prompt: 4.4 s against 17.5 s by the
+# prefill path; docs/benchmarks.md); longer contexts keep the prefill path.
+ROWS_FORM_MAX_MEAN_CONTEXT = 4096
 
 
 @dataclass(slots=True)
@@ -69,7 +71,7 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
-        rows_form = not step.is_decode and self._rows_form and _prefill_keys(step) <= ROWS_FORM_MAX_PREFILL_KEYS
+        rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
         attn = self._rows_attention(step) if rows_form else AttentionBatch(
             positions=self._tensor(step.positions),
             slot_mapping=self._tensor(step.slot_mapping),
@@ -220,11 +222,13 @@ class ModelRunner:
         return tensor if self._on_cpu else tensor.to(self.device)
 
 
-def _prefill_keys(step) -> int:
-    """The keys the step's prompt rows (those of sequences with more than one new token) attend to, in all."""
+def _prompt_rows_fit(step) -> bool:
+    """Whether the step's prompt rows (those of sequences with more than one new token) attend to at most
+    ROWS_FORM_MAX_MEAN_CONTEXT keys each on average (a row at position p attends to p + 1)."""
     counts = np.diff(step.cu)
     prompt_rows = np.repeat(counts > 1, counts)
-    return int(step.positions[prompt_rows].sum()) + int(np.count_nonzero(prompt_rows))
+    rows = int(np.count_nonzero(prompt_rows))
+    return int(step.positions[prompt_rows].sum()) + rows <= ROWS_FORM_MAX_MEAN_CONTEXT * rows
 
 
 def _segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -302,14 +302,15 @@ def test_first_step_logits_match_peft(lora_family, lora_arch, kernel_mode):
 @pytest.mark.parametrize("budget", [1024, 16])  # one step for the batch; or each prompt in chunks of 16 tokens
 def test_a_prefill_step_in_either_form_matches_peft(lora_family, kernel_mode, monkeypatch, rows_form, budget):
     # through the runner: a step with prefill runs in the one-call decode forward, a row per token, while its
-    # prompt rows read at most ROWS_FORM_MAX_PREFILL_KEYS keys (chunks after the first read the cached ones),
+    # prompt rows attend to at most ROWS_FORM_MAX_MEAN_CONTEXT keys each on average (chunks after the first read
+    # the cached ones),
     # else by the prefill path; peft's logits either way
     from loraplex import model_runner
 
     if kernel_mode != "auto":
         pytest.skip("the decode form is the native forward's")
     if not rows_form:
-        monkeypatch.setattr(model_runner, "ROWS_FORM_MAX_PREFILL_KEYS", 0)
+        monkeypatch.setattr(model_runner, "ROWS_FORM_MAX_MEAN_CONTEXT", 0)
     family = lora_family("llama-gqa")
     engine = make_engine(family, max_num_batched_tokens=budget)
     rows_seen, logits = [], []
@@ -354,7 +355,7 @@ def test_torch_path_matches_peft(lora_family, lora_arch, path):
 
 def test_the_runner_hands_dense_runs_where_they_pay(lora_family, kernel_mode):
     # the torch path plans dense runs and tiles; with the native one-call forward every step hands per-row slots,
-    # a short prefill's too (it runs in the decode form: model_runner.ROWS_FORM_MAX_PREFILL_KEYS)
+    # a prefill's too (it runs in the decode form: model_runner.ROWS_FORM_MAX_MEAN_CONTEXT)
     family = lora_family("llama-gqa")
     engine = make_engine(family)
     native = engine.model.native_decode is not None

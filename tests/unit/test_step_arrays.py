@@ -176,3 +176,19 @@ def test_repeated_decode_rebuilds_when_the_batch_changes_or_its_tokens_were_not_
     assert loop.run(seqs[:2], tables[:2], inputs, 1) == [False]
     b = decode_batch(seqs[:2], [list(t) for t in tables[:2]], loop.num_updates, forks=[(0, seqs[2])])
     assert not inputs.build(b)[1]  # a batch that forks samples is built afresh
+
+
+def test_a_prefill_takes_the_decode_form_up_to_a_mean_context(monkeypatch):
+    # model_runner: a step's prompt rows run as decode rows while they attend to ROWS_FORM_MAX_MEAN_CONTEXT keys
+    # each on average; decode rows (one new token) do not count
+    from loraplex import model_runner
+
+    monkeypatch.setattr(model_runner, "ROWS_FORM_MAX_MEAN_CONTEXT", 100)
+
+    def step(counts, starts):
+        positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+        return SimpleNamespace(cu=np.concatenate(([0], np.cumsum(counts))).astype(np.int32), positions=positions)
+
+    assert model_runner._prompt_rows_fit(step([199, 1], [0, 5000]))  # 1..199 keys: 100 on average
+    assert not model_runner._prompt_rows_fit(step([201, 1], [0, 0]))  # 101
+    assert not model_runner._prompt_rows_fit(step([2], [150]))  # a chunk after 150 cached tokens: 151.5
