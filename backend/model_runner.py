@@ -168,10 +168,14 @@ class ModelRunner:
         """A step with prefill in the decode form: each token a row with its own context length (its position
         + 1) and its sequence's block table."""
         owner = np.repeat(np.arange(len(step.context_lens)), np.diff(step.cu))
-        rows = len(owner)
-        return AttentionBatch(self._tensor(step.positions), self._tensor(step.slot_mapping),
-                              self._tensor(step.block_tables[owner]), self._tensor((step.positions + 1).astype(np.int32)),
-                              self._tensor(np.arange(rows + 1, dtype=np.int32)), True)
+        return AttentionBatch(
+            positions=self._tensor(step.positions),
+            slot_mapping=self._tensor(step.slot_mapping),
+            block_tables=self._tensor(step.block_tables[owner]),
+            context_lens=self._tensor((step.positions + 1).astype(np.int32)),
+            cu_query_lens=self._tensor(np.arange(len(owner) + 1, dtype=np.int32)),
+            is_decode=True,
+        )
 
     def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraBatch | None:
         """Per-row slots for a decode step (one token per sequence) or a step in the decode form, segments for a
