@@ -30,7 +30,7 @@ class EngineConfig:
     max_n: int = 16  # largest `n` (samples per request) accepted; also bounded by max_num_seqs
     max_logprobs: int = 20  # largest `logprobs` (top candidates per token) accepted, as vLLM's default
     max_waiting_requests: int = 4096  # requests accepted but not yet started; beyond it: UNAVAILABLE at once
-    batching: str = "continuous"  # continuous | static (admit only into an empty batch; for benchmarks)
+    batching: str = "continuous"  # continuous | static (a batch keeps its shape until it ends) | static-shrink; for benchmarks
     admission_policy: str = "fcfs"  # fcfs | priority (lower `priority` first) | sjf (fewest max_tokens first, aged)
     sjf_aging_rate: float = 32.0  # sjf: max_tokens credited per second a request waits (0 = pure SJF)
     default_timeout: float = 0.0  # seconds from arrival when a request has no `timeout`; 0 = none
@@ -69,7 +69,8 @@ class EngineConfig:
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_logprobs >= 0, "max_logprobs must be >= 0"),
-            (self.batching in ("continuous", "static"), "batching must be continuous or static"),
+            (self.batching in ("continuous", "static", "static-shrink"),
+             "batching must be continuous, static or static-shrink"),
             (self.admission_policy in ("fcfs", "priority", "sjf"), "admission_policy must be fcfs, priority or sjf"),
             (self.sjf_aging_rate >= 0, "sjf_aging_rate must be >= 0"),
             (self.default_timeout >= 0, "default_timeout must be >= 0 (0 = none)"),

@@ -316,7 +316,8 @@ class LLMEngine:
         self._step_time = time.monotonic()
         for row, exc in result.errors.items():
             seq = batch.seqs[row] if row < len(batch.seqs) else batch.forks[row - len(batch.seqs)][1]
-            outputs += self._fail_request(seq.request, exc)
+            if seq.status is not SeqStatus.FINISHED:  # a static batch's padding row ended its request already
+                outputs += self._fail_request(seq.request, exc)
         changed = self.scheduler.update(batch, result)
         self.num_steps += 1
         self._events(changed, outputs, new_tokens=True)

@@ -7,6 +7,12 @@ in and admit waiting ones (policy order, KV watermark, adapter slots, admission 
 ``update`` applies the runner's tokens, forks n > 1 samples after their prefill, and
 frees finished sequences' blocks before the next step admits. No tensors here.
 
+``batching="static"`` is request-level batching as a static server runs it: a batch is
+admitted only into an empty one, and it keeps its shape until its last sequence ends. A
+sequence that ends its request keeps its blocks, pin and row (a *padding* row: its final
+token's decode, rerun every step without advancing, its output dropped) until then, as
+padded rows cost a static batch on any device. ``static-shrink`` lets ended rows leave.
+
 Tenants (backend/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
 backlogged tenant with the least virtual token counter; a tenant is charged its prompt at
 a request's first admission (never again when a preempted sequence resumes) and each
@@ -53,6 +59,7 @@ class SchedulerOutput:
     finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (timeout; seq.error: failed)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     allocated: list[int] = field(default_factory=list)  # rows of seqs whose block table allocate may have changed
+    num_padding: int = 0  # rows of ended sequences that a static batch still runs (static batching; never sampled)
     num_updates: int = 0  # the scheduler's updates applied before this step (one per step that ran)
 
     @property
@@ -79,7 +86,9 @@ class Scheduler:
         self.pick_victim = VICTIM_POLICIES[config.victim_policy]
         self.cap = AdmissionCap(config.max_num_seqs, config.preemption_window_steps, config.preemption_threshold)
         self.watermark_blocks = max(1, int(kv.num_blocks * config.kv_watermark))
-        self.static = config.batching == "static"
+        self.static = config.batching != "continuous"  # admit only into an empty batch
+        self.pads = config.batching == "static"  # ended sequences keep their rows until the batch ends
+        self.padding: list[Sequence] = []  # those ended sequences (FINISHED), holding their blocks and pins
         self.prefix_query_tokens: dict[str, int] = {}  # per tenant metric label
         self.prefix_hit_tokens: dict[str, int] = {}
         self.num_preemptions = 0
@@ -135,6 +144,8 @@ class Scheduler:
         if status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
+            if self.padding and not self.running:
+                self._release_padding()
         elif status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             if seq.first_scheduled_time is None:
@@ -200,6 +211,8 @@ class Scheduler:
         """Plan one step: expire, run (preempting if needed), then swap in and admit unless that preempted."""
         out = SchedulerOutput(num_updates=self.num_updates)
         self.swap_space.flush()
+        if self.padding and not self.running:  # its batch ended without an update (preempted, aborted)
+            self._release_padding()
         if self._deadlines:
             out.finished = self._expire()
         self._preempted_now = 0
@@ -208,6 +221,8 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped and not (self.static and self.running):
                 self._admit(out, budget)
+        if self.padding and self.running:
+            self._emit_padding(out)
         self.cap.record(self._preempted_now, len(self.running))
         if self._fork_parents:
             index = {s.seq_id: i for i, s in enumerate(out.seqs)}
@@ -215,6 +230,21 @@ class Scheduler:
             self._fork_parents = []
         out.copy_pairs = self.kv.take_copy_pairs()
         return out
+
+    def _emit_padding(self, out: SchedulerOutput) -> None:
+        """The ended sequences' rows: each its final token's decode again, into the slot it kept for it."""
+        for seq in self.padding:
+            out.seqs.append(seq)
+            out.num_new_tokens.append(1)
+            out.block_tables.append(self.kv.block_table(seq.seq_id))
+        out.num_padding = len(self.padding)
+
+    def _release_padding(self) -> None:
+        """Free the padding rows' blocks and pins: their batch ended, or a running sequence needs the blocks."""
+        for seq in self.padding:
+            self.kv.free(seq.seq_id)
+            self._release_adapter_of(seq)
+        self.padding = []
 
     def _expire(self) -> list[Sequence]:
         now = self.clock()
@@ -256,6 +286,9 @@ class Scheduler:
     def _run(self, out: SchedulerOutput, seq: Sequence, n: int, budget: int) -> int:
         """Blocks for the seq's n new tokens, preempting victims while short, then emit it; returns the budget left."""
         while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
+            if self.padding:  # a static batch's padding gives way before any sequence is preempted
+                self._release_padding()
+                continue
             victim = self.pick_victim(self.running)
             budget += self._preempt(victim, out)
             if victim is seq:
@@ -507,6 +540,8 @@ class Scheduler:
                 seq.error = exc
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+            if self.padding and not self.running:
+                self._release_padding()
         self.num_updates += 1
         return changed
 
@@ -556,8 +591,11 @@ class Scheduler:
         reason = self._finish_reason(seq, token)
         if reason is None:
             return False
-        self.kv.free(seq.seq_id)
-        self._release_adapter_of(seq)
+        if self.pads and self.kv.allocate(seq.seq_id, seq.num_computed_tokens, 1):
+            self.padding.append(seq)  # a static batch keeps its row (a slot for its final token) until it ends
+        else:
+            self.kv.free(seq.seq_id)
+            self._release_adapter_of(seq)
         self._finish([seq], reason)
         return True
 

@@ -115,8 +115,8 @@ class RepeatedDecode:
             step = self._advance(batch)
         else:
             step = StepArrays.build(batch, self.block_size)
-            if not step.is_decode or batch.forks or len(step.sample_seqs) != num:
-                return step, None  # the next step cannot repeat this one
+            if not step.is_decode or batch.forks or len(step.sample_seqs) != num or batch.num_padding:
+                return step, None  # the next step cannot repeat this one (padding rows do not advance)
         self._pending = (step, seqs, batch.num_updates)
         return step, self._plans if repeats else None
 

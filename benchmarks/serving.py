@@ -15,8 +15,11 @@ pool of shared prompt prefixes (what the prefix cache can reuse), greedy, `ignor
 
 Configurations (engine knobs, backend/config.py):
   continuous       the default engine (iteration-level batching, prefix cache on)
-  static           {"batching": "static"}: a new batch is admitted only once the running
-                   one has finished, as a request-level (static) batching server does
+  static           {"batching": "static"}: request-level batching as a static server runs
+                   it: a new batch is admitted only once the running one has finished, and
+                   a batch keeps its shape until then (an ended sequence's row is still
+                   computed, its output dropped: what padding costs a static batch)
+  static-shrink    {"batching": "static-shrink"}: the same admission, ended rows leave
   no-prefix-cache  {"enable_prefix_caching": false}
 
 Token counts: AIPerf counts output tokens by re-tokenizing the streamed text on the
@@ -76,6 +79,7 @@ from loraplex.tritonserver import free_ports  # noqa: E402
 CONFIGURATIONS = {
     "continuous": {},
     "static": {"batching": "static"},
+    "static-shrink": {"batching": "static-shrink"},
     "no-prefix-cache": {"enable_prefix_caching": False},
 }
 DEFAULT_AIPERF = ROOT / ".cache" / "aiperf-venv" / "bin" / "aiperf"
@@ -117,6 +121,7 @@ QUICK_WORKLOAD = Workload(requests=8, rate=8.0, input_tokens=32, input_stddev=8,
 # One configuration: a smoke run checks the harness (server, warm-up, AIPerf, the server's token count),
 # and each further configuration only repeats it on another server (~40 s each on 2 cores).
 QUICK_CONFIGS = "continuous"
+DEFAULT_CONFIGS = "continuous,static,no-prefix-cache"  # static-shrink only when asked
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"W1's steps at a tiny size ({QUICK_W1_WORKLOAD.summary})")
     ap.add_argument("--configs", default=None,
                     help=f"comma-separated configurations, the first is the baseline of the ratios "
-                         f"(default: {','.join(CONFIGURATIONS)}; w1: one, default {QUICK_CONFIGS}); "
+                         f"(default: {DEFAULT_CONFIGS}; w1: one, default {QUICK_CONFIGS}); "
                          f"choices: {', '.join(CONFIGURATIONS)}")
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                     help="built-in model of loraplex-serve (tiny: random 4-layer LLaMA with demo-a/demo-b; "
@@ -242,7 +247,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
 def chosen_configs(args: argparse.Namespace) -> dict[str, dict]:
     """name -> engine knobs of each configuration asked for, in order, the common knobs merged under."""
     one_config = args.quick or args.workload == "w1"
-    names = (args.configs or (QUICK_CONFIGS if one_config else ",".join(CONFIGURATIONS))).split(",")
+    names = (args.configs or (QUICK_CONFIGS if one_config else DEFAULT_CONFIGS)).split(",")
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown:
         raise SystemExit(f"serving.py: unknown configuration(s) {', '.join(unknown)}; "

@@ -48,7 +48,7 @@ def test_quick_run_measures_its_configuration(tmp_path):
 def test_configurations_merge_the_common_knobs_under_their_own():
     parse = serving.build_parser().parse_args
     assert list(serving.chosen_configs(parse(["--quick"]))) == serving.QUICK_CONFIGS.split(",")
-    assert list(serving.chosen_configs(parse([]))) == list(serving.CONFIGURATIONS)
+    assert list(serving.chosen_configs(parse([]))) == serving.DEFAULT_CONFIGS.split(",")
     args = parse(["--quick", "--configs", "continuous,static", "--engine-config",
                   json.dumps({"batching": "continuous", **COMMON_KNOBS})])
     assert serving.chosen_configs(args) == {"continuous": {"batching": "continuous", **COMMON_KNOBS},

@@ -305,3 +305,37 @@ def test_repeated_decode_inputs_equal_a_rebuild_through_preemption_and_forks(dem
     expected = reference_ignore_eos(str(demo["model"]), None, tuple(forked.prompt_token_ids), 12)
     assert _by_index(outputs["n3"]) == {0: expected, 1: expected, 2: expected}
     assert_pool_idle(engine)
+
+
+# ---------------------------------------------------------------- static batching
+
+
+@pytest.mark.parametrize("batching", ["static", "static-shrink"])
+def test_static_batching_streams_equal_peft_and_padding_rows_keep_the_batch_shape(demo, batching):
+    """A static batch keeps a row for each ended sequence (its output dropped) until its last one ends;
+    static-shrink lets them leave. Either way every stream is peft's and every block comes back."""
+    engine = make_engine(demo, batching=batching, max_num_seqs=4)
+    lengths = [3, 12, 6, 20, 5, 9, 16, 4]
+    requests = [engine.make_request(f"r{i}", p, greedy(max_tokens=lengths[i], lora_name=ADAPTERS[i]))
+                for i, p in enumerate(PROMPTS)]
+    rows, execute = [], engine.runner.execute
+
+    def recorded(batch, copies=True):
+        rows.append((len(batch.seqs), batch.num_padding))
+        return execute(batch, copies)
+
+    engine.runner.execute = recorded
+    outputs = run(engine, requests)
+    first_batch = rows[:20]  # r0-r3 admitted together: 20 steps, the longest (r3) has 20 tokens
+    if batching == "static":
+        assert first_batch == [(4, 0)] * 3 + [(4, 1)] * 3 + [(4, 2)] * 6 + [(4, 3)] * 8
+    else:
+        assert first_batch == [(4, 0)] * 3 + [(3, 0)] * 3 + [(2, 0)] * 6 + [(1, 0)] * 8
+    assert rows[20][1] == 0  # the next batch starts without padding
+    for r, n in zip(requests, lengths):
+        outs = outputs[r.request_id]
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished, r.request_id
+        adapter = str(demo[r.params.lora_name]) if r.params.lora_name else None
+        expected = reference_ignore_eos(str(demo["model"]), adapter, tuple(r.prompt_token_ids), n)
+        assert sum((o.token_ids for o in outs), []) == expected, r.request_id
+    assert_pool_idle(engine)

@@ -554,7 +554,7 @@ def test_swap_space_defers_release_to_the_next_step():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("batching", "dynamic", "batching must be continuous or static"),
+    ("batching", "dynamic", "batching must be continuous, static or static-shrink"),
     ("admission_policy", "lifo", "admission_policy must be fcfs, priority or sjf"),
     ("preemption_mode", "kill", "preemption_mode must be recompute or swap"),
     ("victim_policy", "random", "victim_policy must be longest_first, most_preempted_last or lowest_priority"),

@@ -35,7 +35,7 @@ def workloads(draw):
         preemption_window_steps=draw(st.integers(1, 8)),
         preemption_threshold=draw(st.integers(0, 3)),
         max_adapter_wait_steps=draw(st.integers(0, 4)),
-        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "static", "static-shrink"])),
         enable_prefix_caching=draw(st.booleans()),
         fair_share=draw(st.sampled_from(["vtc", "off"])),
     )

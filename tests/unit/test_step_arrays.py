@@ -101,7 +101,7 @@ def test_seeded_rows_draw_from_their_own_generator_among_greedy_rows():
 
 def decode_batch(seqs, tables, num_updates, allocated=(), forks=()):
     return SimpleNamespace(seqs=list(seqs), num_new_tokens=[1] * len(seqs), block_tables=tables, forks=list(forks),
-                           num_updates=num_updates, allocated=list(allocated))
+                           num_updates=num_updates, allocated=list(allocated), num_padding=0)
 
 
 class Loop:
