@@ -3,8 +3,9 @@
     python benchmarks/batching.py [--model-dir DIR] [--requests 64] [--max-num-seqs 16] [--threads 1]
 
 Requests with mixed output lengths (greedy, ignore_eos) all arrive at once; the engine is
-stepped on this thread. Static batching admits only into an empty batch, so short
-requests wait for the longest one of their batch. Printed per mode: steps, wall time,
+stepped on this thread. Static batching admits only into an empty batch and keeps a
+batch's shape until its longest request ends (ended rows are padding), so short requests
+wait for the longest one of their batch. Printed per mode: steps, wall time,
 generated tokens/s, and request latency (time to the final token) mean / p50 / p90; the
 ratios are measured in this one run.
 """
