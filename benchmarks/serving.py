@@ -490,6 +490,7 @@ def summarize(out_dir: Path, generated_tokens: float) -> dict:
         "aiperf_output_tokens": int(summary["total_output_tokens"]["avg"]),
         "output_tokens_per_s": generated_tokens / duration,
         "requests_per_s": summary["request_throughput"]["avg"],
+        "ttft_mean_ms": summary["time_to_first_token"]["avg"],
         "ttft_p50_ms": summary["time_to_first_token"]["p50"],
         "ttft_p99_ms": summary["time_to_first_token"]["p99"],
         "itl_p50_ms": statistics.median(itl) if itl else None,
@@ -540,22 +541,36 @@ def write_template(out_dir: Path) -> Path:
 
 def measure(name: str, engine_config: dict, model_flags: list[str], tokenizer: Path, adapters: list[str],
             workload: Workload, args: argparse.Namespace, run_dir: Path) -> dict:
-    """Serve one configuration, load it with AIPerf, and return its figures."""
-    out_dir = run_dir / name
-    template = write_template(out_dir)
+    """Serve one configuration, load it with AIPerf, and return its figures (AIPerf's files in run_dir/name)."""
+    return measure_each(name, engine_config, model_flags, tokenizer, adapters, [workload], args, run_dir)[0]
+
+
+def measure_each(name: str, engine_config: dict, model_flags: list[str], tokenizer: Path, adapters: list[str],
+                 workloads: list[Workload], args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    """Serve one configuration and load it with AIPerf once per workload, in order, each run starting on an idle
+    server; their figures. AIPerf's files: run_dir/name, or run_dir/name/rate-R for more than one workload."""
+    server_dir = run_dir / name
+    template = write_template(server_dir)
     print(f"serving.py: {name}: engine {json.dumps(engine_config)}", flush=True)
+    results = []
     with (tempfile.TemporaryDirectory(prefix="loraplex-bench-store-") as store,
-          Launcher(model_flags, engine_config, Path(store), out_dir / "loraplex-serve.log") as server):
+          Launcher(model_flags, engine_config, Path(store), server_dir / "loraplex-serve.log") as server):
         server.start(args.ready_timeout)
         before = wait_for_tokens(server.metrics_url, 0.0, warm_up(server.http_url, adapters))
-        if workload.output_lengths == "long-tailed":
-            load = arrival_load_flags(write_dataset(long_tailed_requests(workload), out_dir / "dataset.jsonl"),
-                                      workload)
-        else:
-            load = synthetic_load_flags(workload)
-        command = aiperf_command(args.aiperf, server.http_url, adapters, template, tokenizer, out_dir, load)
-        figures = profile(server, command, out_dir, before)
-    return {"config": name, "engine_config": engine_config, **figures}
+        for workload in workloads:
+            out_dir = server_dir if len(workloads) == 1 else server_dir / f"rate-{workload.rate:g}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if workload.output_lengths == "long-tailed":
+                load = arrival_load_flags(write_dataset(long_tailed_requests(workload), out_dir / "dataset.jsonl"),
+                                          workload)
+            else:
+                load = synthetic_load_flags(workload)
+            command = aiperf_command(args.aiperf, server.http_url, adapters, template, tokenizer, out_dir, load)
+            figures = profile(server, command, out_dir, before)
+            before += figures["output_tokens"]
+            results.append({"config": name, "engine_config": engine_config, "rate": workload.rate,
+                            "artifacts": str(out_dir), **figures})
+    return results
 
 
 COLUMNS = [  # (key, heading, format, better when higher)

@@ -1,48 +1,18 @@
-"""benchmarks/serving.py --quick end to end: a real loraplex-serve process under real AIPerf load.
+"""benchmarks/serving.py without servers: configurations, tables, W1's workload, the peers' batches.
 
-Checks the results' shape only (the configuration, the requests asked for, no errors,
-positive throughput), never timings. Skipped where AIPerf is not installed (`make bench`
-installs it into .cache/aiperf-venv). --quick serves one configuration: what more of them
-would add (their knobs merged and handed to the server, the table's ratio rows) is checked
-here without servers. `--workload w1 --quick` runs W1's steps at a tiny size (our server
-with its adapters, then every in-process peer on the prompts AIPerf sent), without the
-base-model run, which only repeats the AIPerf step (~20 s); the table's columns for it are
-checked without a server.
+Its measuring path (a real loraplex-serve under real AIPerf load, W1 against every peer)
+runs end to end in tests/e2e/test_bench_suite.py, through `make bench`'s suite.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from scripts import BENCHMARKS, load_benchmark
+from scripts import load_benchmark
 
 serving = load_benchmark("serving")
-needs_aiperf = pytest.mark.skipif(
-    not serving.DEFAULT_AIPERF.exists(),
-    reason=f"aiperf is not installed at {serving.DEFAULT_AIPERF} (`make bench` installs it)")
 COMMON_KNOBS = {"max_num_seqs": 8}  # not the default, harmless for 8 requests: the server must get it
-
-
-@needs_aiperf
-def test_quick_run_measures_its_configuration(tmp_path):
-    out = tmp_path / "serving.json"
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "serving.py"), "--quick", "--json", str(out),
-                          "--engine-config", json.dumps(COMMON_KNOBS), "--artifacts", str(tmp_path / "artifacts")],
-                         check=True, timeout=600, stdout=subprocess.PIPE, text=True)
-    report = json.loads(out.read_text())
-    names = serving.QUICK_CONFIGS.split(",")
-    assert [r["config"] for r in report["results"]] == names and report["baseline"] == names[0]
-    for result in report["results"]:
-        assert result["engine_config"] == {**COMMON_KNOBS, **serving.CONFIGURATIONS[result["config"]]}
-        assert result["request_count"] == serving.QUICK_WORKLOAD.requests
-        assert result["errors"] == 0
-        assert result["output_tokens"] == result["output_tokens_asked"] > 0
-        assert result["output_tokens_per_s"] > 0 and result["requests_per_s"] > 0
-    table = run.stdout.split("\n\n")[1].splitlines()
-    assert table[0].split()[0] == "configuration" and [row.split()[0] for row in table[1:]] == names
 
 
 def test_configurations_merge_the_common_knobs_under_their_own():
@@ -79,29 +49,6 @@ def test_the_table_has_a_ratio_row_per_configuration_after_the_baseline():
     itl = [heading for _, heading, *_ in serving.COLUMNS].index("ITL p50 ms")
     assert rows[4][3:] == ["2.00x"] * itl + ["-"] + ["2.00x"] * (len(serving.COLUMNS) - itl - 1)
     assert rows[5][3] == "3.00x" and rows[2][1 + itl] == "-"
-
-
-@needs_aiperf
-def test_quick_w1_run_measures_ours_and_every_peer_on_the_same_tokens(tmp_path):
-    out, w1 = tmp_path / "w1.json", serving.QUICK_W1_WORKLOAD
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "serving.py"), "--workload", "w1", "--quick",
-                          "--no-base-run", "--json", str(out), "--artifacts", str(tmp_path / "artifacts")],
-                         check=True, timeout=600, stdout=subprocess.PIPE, text=True)
-    report = json.loads(out.read_text())
-    ours = report["ours"]["adapters"]
-    assert list(report["ours"]) == ["adapters"] and len(report["adapters"]) == w1.adapters
-    assert ours["request_count"] == w1.requests and ours["errors"] == 0
-    assert ours["output_tokens"] == ours["output_tokens_asked"] == w1.output_total
-    assert list(report["peers"]) == list(serving.PEERS) and report["torch_threads"] >= 1
-    measured = {name: peer for name, peer in report["peers"].items() if "skipped" not in peer}
-    assert set(report["peers"]) - set(measured) <= {"hf-generate-batch"}  # only where transformers lacks it
-    for peer in measured.values():
-        assert peer["useful_tokens"] == peer["tokens_asked"] == w1.output_total and peer["output_tokens_per_s"] > 0
-    ratios = report["ratios"]["adapters"]
-    assert set(ratios) == set(measured) and all(r > 0 for r in ratios.values())
-    table = run.stdout.split("\n\n")[1].splitlines()
-    assert table[0].startswith("system") and table[1].startswith("ours through Triton")
-    assert len(table) >= 2 + len(serving.PEERS)
 
 
 def test_w1_lengths_are_fixed_by_the_seed_long_tailed_and_sum_to_the_total():
