@@ -110,7 +110,8 @@ class RepeatedDecode:
         seqs, num = batch.seqs, len(batch.seqs)
         last, self._seqs, self._pending = self._seqs, None, None  # until sampled: a step built and not run
         repeats = (last is not None and batch.num_updates == self._num_updates + 1 and len(last) == num
-                   and not batch.forks and sum(batch.num_new_tokens) == num and all(map(is_, seqs, last)))
+                   and not batch.forks and not batch.num_padding and sum(batch.num_new_tokens) == num
+                   and all(map(is_, seqs, last)))
         if repeats:
             step = self._advance(batch)
         else:

@@ -310,12 +310,15 @@ def test_repeated_decode_inputs_equal_a_rebuild_through_preemption_and_forks(dem
 # ---------------------------------------------------------------- static batching
 
 
+@pytest.mark.parametrize("first_lengths", [[3, 20, 20, 20], [20, 20, 20, 3]], ids=["first-ends-first", "last-ends-first"])
 @pytest.mark.parametrize("batching", ["static", "static-shrink"])
-def test_static_batching_streams_equal_peft_and_padding_rows_keep_the_batch_shape(demo, batching):
+def test_static_batching_streams_equal_peft_and_padding_rows_keep_the_batch_shape(demo, batching, first_lengths):
     """A static batch keeps a row for each ended sequence (its output dropped) until its last one ends;
-    static-shrink lets them leave. Either way every stream is peft's and every block comes back."""
+    static-shrink lets them leave. Either way every stream is peft's and every block comes back. When the
+    batch's last row ends first, the padded batch has the same sequences in the same order as the step
+    before: it must not repeat that step's inputs moved on (a padding row does not advance)."""
     engine = make_engine(demo, batching=batching, max_num_seqs=4)
-    lengths = [3, 12, 6, 20, 5, 9, 16, 4]
+    lengths = [*first_lengths, 5, 9, 16, 4]
     requests = [engine.make_request(f"r{i}", p, greedy(max_tokens=lengths[i], lora_name=ADAPTERS[i]))
                 for i, p in enumerate(PROMPTS)]
     rows, execute = [], engine.runner.execute
@@ -326,11 +329,8 @@ def test_static_batching_streams_equal_peft_and_padding_rows_keep_the_batch_shap
 
     engine.runner.execute = recorded
     outputs = run(engine, requests)
-    first_batch = rows[:20]  # r0-r3 admitted together: 20 steps, the longest (r3) has 20 tokens
-    if batching == "static":
-        assert first_batch == [(4, 0)] * 3 + [(4, 1)] * 3 + [(4, 2)] * 6 + [(4, 3)] * 8
-    else:
-        assert first_batch == [(4, 0)] * 3 + [(3, 0)] * 3 + [(2, 0)] * 6 + [(1, 0)] * 8
+    first_batch = rows[:20]  # r0-r3 admitted together: 20 steps, the longest have 20 tokens
+    assert first_batch == [(4, 0)] * 3 + ([(4, 1)] if batching == "static" else [(3, 0)]) * 17
     assert rows[20][1] == 0  # the next batch starts without padding
     for r, n in zip(requests, lengths):
         outs = outputs[r.request_id]
