@@ -88,7 +88,7 @@ def run_in_background(url: str, jobs: list[StreamJob]) -> tuple[threading.Thread
 CANCEL_TENANT = "cancel-faults"
 PROMPTS = ("Hello there", "The quick brown fox", "Many tenants share one base model.", "LoRA", "zz top", "def f(x):")
 LORAS = (None, "demo-a", "demo-b")
-LONG = 400  # the cancelled requests could never finish before their cancel point
+LONG = 960  # the cancelled requests cannot finish before their cancel lands: the demo model allows ~985 (1024 less a prompt)
 
 
 def close_http_stream_after(server, prompt: str, params: dict, events: int, seen: list) -> None:
