@@ -144,8 +144,7 @@ class Scheduler:
         if status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
-            if self.padding and not self.running:
-                self._release_padding()
+            self._end_padded_batch()
         elif status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             if seq.first_scheduled_time is None:
@@ -211,8 +210,7 @@ class Scheduler:
         """Plan one step: expire, run (preempting if needed), then swap in and admit unless that preempted."""
         out = SchedulerOutput(num_updates=self.num_updates)
         self.swap_space.flush()
-        if self.padding and not self.running:  # its batch ended without an update (preempted, aborted)
-            self._release_padding()
+        self._end_padded_batch()  # a batch that ended without an update (its last sequence preempted)
         if self._deadlines:
             out.finished = self._expire()
         self._preempted_now = 0
@@ -238,6 +236,11 @@ class Scheduler:
             out.num_new_tokens.append(1)
             out.block_tables.append(self.kv.block_table(seq.seq_id))
         out.num_padding = len(self.padding)
+
+    def _end_padded_batch(self) -> None:
+        """Release the padding once its batch has no running sequence left."""
+        if self.padding and not self.running:
+            self._release_padding()
 
     def _release_padding(self) -> None:
         """Free the padding rows' blocks and pins: their batch ended, or a running sequence needs the blocks."""
@@ -540,8 +543,7 @@ class Scheduler:
                 seq.error = exc
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
-            if self.padding and not self.running:
-                self._release_padding()
+            self._end_padded_batch()
         self.num_updates += 1
         return changed
 

@@ -110,14 +110,14 @@ class RepeatedDecode:
         seqs, num = batch.seqs, len(batch.seqs)
         last, self._seqs, self._pending = self._seqs, None, None  # until sampled: a step built and not run
         repeats = (last is not None and batch.num_updates == self._num_updates + 1 and len(last) == num
-                   and not batch.forks and not batch.num_padding and sum(batch.num_new_tokens) == num
-                   and all(map(is_, seqs, last)))
+                   and not batch.forks and not batch.num_padding  # a padding row does not advance
+                   and sum(batch.num_new_tokens) == num and all(map(is_, seqs, last)))
         if repeats:
             step = self._advance(batch)
         else:
             step = StepArrays.build(batch, self.block_size)
-            if not step.is_decode or batch.forks or len(step.sample_seqs) != num or batch.num_padding:
-                return step, None  # the next step cannot repeat this one (padding rows do not advance)
+            if not step.is_decode or batch.forks or len(step.sample_seqs) != num:
+                return step, None  # the next step cannot repeat this one
         self._pending = (step, seqs, batch.num_updates)
         return step, self._plans if repeats else None
 
