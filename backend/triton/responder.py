@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,9 @@ from .errors import error_code, error_message
 
 log = logging.getLogger("loraplex.responder")
 
-CANCEL_POLL_SECONDS = 0.02
+WAKE_SECONDS = 0.02  # the response thread's idle wake-up, for cancellation polls
+CANCEL_POLL_SECONDS = 0.1  # each request's is_cancelled() is asked about this often...
+CANCEL_POLLS_PER_SECOND = 200  # ...but no more of them than this in all (each an IPC round trip)
 
 
 @dataclass(slots=True)
@@ -60,6 +63,7 @@ class Responder:
         self.pending: dict[str, Pending] = {}
         self.lock = threading.Lock()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancel_polls = CancelPolls()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="loraplex-responder", daemon=True)
 
@@ -77,6 +81,7 @@ class Responder:
         """Remember a request before the engine can produce output for it."""
         with self.lock:
             self.pending[request_id] = Pending(sender, stream, prompt, exclude_input, returns, n)
+            self.cancel_polls.add(request_id)
 
     def unregister(self, request_id: str) -> None:
         """Forget a registered request the engine refused (nothing was sent for it)."""
@@ -94,22 +99,21 @@ class Responder:
                     flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _run(self) -> None:
-        next_poll = time.monotonic() + CANCEL_POLL_SECONDS
         while not self.stopping:
             try:
-                next_poll = self._serve_once(next_poll)
+                self._serve_once()
             except Exception:  # noqa: BLE001 - the response thread must never die
                 log.exception("response thread iteration failed")
 
-    def _serve_once(self, next_poll: float) -> float:
+    def _serve_once(self) -> None:
         """Take every pending batch of outputs, send one response per touched request, poll cancellation."""
         try:
-            batch = self.queue.get(timeout=CANCEL_POLL_SECONDS)
+            batch = self.queue.get(timeout=WAKE_SECONDS)
         except queue.Empty:
             batch = []
         if batch is None:
             self.stopping = True
-            return next_poll
+            return
         batches = [batch]
         while not self.queue.empty():  # coalesce everything already pending
             more = self.queue.get_nowait()
@@ -123,10 +127,7 @@ class Responder:
                 self._contained(out.request_id, self._absorb, out, touched)
         for request_id, p in touched.items():
             self._contained(request_id, self._flush, request_id, p)
-        if time.monotonic() >= next_poll:
-            self._poll_cancelled()
-            next_poll = time.monotonic() + CANCEL_POLL_SECONDS
-        return next_poll
+        self._poll_cancelled()
 
     def _contained(self, request_id: str, action, *args) -> None:
         """Run one request's action; if it raises, that request alone ends with an error (and is aborted)."""
@@ -230,8 +231,9 @@ class Responder:
 
     def _poll_cancelled(self) -> None:
         with self.lock:
-            items = list(self.pending.items())
-        for request_id, p in items:
+            due = [(request_id, self.pending[request_id])
+                   for request_id in self.cancel_polls.due(time.monotonic(), self.pending)]
+        for request_id, p in due:
             if p.abort_requested:
                 continue
             try:
@@ -241,3 +243,38 @@ class Responder:
             if cancelled:
                 p.abort_requested = True
                 self.abort(request_id)
+        with self.lock:
+            self.cancel_polls.keep(request_id for request_id, p in due if not p.abort_requested)
+
+
+class CancelPolls:
+    """Which requests to ask is_cancelled() now: each about every CANCEL_POLL_SECONDS, round robin,
+    at most CANCEL_POLLS_PER_SECOND in all. Each ask is an IPC round trip to tritonserver; asking
+    every request every 20 ms cost more round trips than the token sends at 16 streams."""
+
+    def __init__(self, interval: float = CANCEL_POLL_SECONDS, rate: float = CANCEL_POLLS_PER_SECOND):
+        self.interval, self.rate = interval, rate
+        self.order: deque = deque()  # request ids, least recently asked first
+        self.credit, self.last = 0.0, None
+
+    def add(self, request_id: str) -> None:
+        """A new request: asked first."""
+        self.order.appendleft(request_id)
+
+    def due(self, now: float, pending: dict) -> list:
+        """The ids to ask now, taken out of the order (put the ones still live back with keep()).
+        Ids no longer pending drop out on the way, free."""
+        elapsed, self.last = (0.0 if self.last is None else now - self.last), now
+        live = len(pending)
+        self.credit = min(self.credit + elapsed * min(self.rate, live / self.interval), max(live, 1))
+        taken = []
+        while self.order and len(taken) < int(self.credit):
+            request_id = self.order.popleft()
+            if request_id in pending:
+                taken.append(request_id)
+        self.credit -= len(taken)
+        return taken
+
+    def keep(self, request_ids) -> None:
+        """Ask these again after the others."""
+        self.order.extend(request_ids)
