@@ -10,7 +10,8 @@ engine knobs and, by default, torch threads (the server's choice: engine knob
 `cpu_threads`). Output tokens/s is the tokens generated over the wall
 time from the first request to the last token; the ratio Triton / in-process is measured
 within one run (issue 11's goal 3: at least 0.90), the two sides alternated `--repeats`
-times, best of each. The server is started once, before the
+times: the ratio of the best of each, and each pair's ratio (a run and the next) with their
+median, since this machine's speed drifts between runs. The server is started once, before the
 in-process engine is built, and stopped at the end; `--server-env K=V` sets environment
 variables of the server (e.g. OMP_WAIT_POLICY=PASSIVE) to compare launch settings.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--streams", default="1,16", help="comma-separated concurrent request counts")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (greedy, ignore_eos)")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each side, alternated (in-process, Triton, in-process, ...); the best is reported")
+                    help="runs of each side, alternated (in-process, Triton, in-process, ...); the best of each and each pair's ratio are reported")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads in-process (default: what the server picks, engine knob cpu_threads = 0)")
     ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
@@ -163,15 +165,18 @@ def main(argv=None) -> int:
             rows = []
             for n in streams:
                 prompts = prompts_for(args.model, n)
-                ours = triton = 0.0
-                for k in range(args.repeats):
-                    ours = max(ours, in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
-                    triton = max(triton, through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
-                rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours})
+                pairs = [(in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"),
+                          through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
+                         for k in range(args.repeats)]
+                ours, triton = max(p[0] for p in pairs), max(p[1] for p in pairs)
+                pair_ratios = [t / o for o, t in pairs]  # each run next to its neighbour in time
+                rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours,
+                             "pair_ratios": pair_ratios, "median_pair_ratio": statistics.median(pair_ratios)})
                 print(f"streams {n:>3}, {torch.get_num_threads()} torch and {native_threads} native threads on both "
                       f"sides: in-process "
-                      f"{ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, Triton / in-process {triton / ours:.2f}",
-                      flush=True)
+                      f"{ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, Triton / in-process {triton / ours:.2f}; "
+                      f"run by run {' '.join(f'{r:.2f}' for r in pair_ratios)}, "
+                      f"median {statistics.median(pair_ratios):.2f}", flush=True)
         finally:
             launcher.stop()
     if args.json_path:
