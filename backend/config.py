@@ -53,6 +53,7 @@ class EngineConfig:
     seed: int = 0  # seeds the global RNG used by requests without their own `seed`
     cpu_threads: int = 0  # torch CPU threads; 0 = auto (a server: CPUs - 1, unless OMP_NUM_THREADS is set)
     native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
+    enforce_eager: bool = False  # CUDA: decode steps launch their kernels one by one instead of replaying CUDA graphs
 
     def __post_init__(self) -> None:
         checks = [

@@ -13,6 +13,7 @@ import torch
 
 from . import kernels
 from .config import EngineConfig, native_cpu_threads
+from .decode_graphs import build_decode_graphs
 from .engine_stats import EngineStats
 from .kv_cache.hashing import namespace_key
 from .kv_cache.manager import KVCacheManager
@@ -111,6 +112,10 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            with torch.inference_mode():
+                self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,
+                                                         config.block_size, self.lora_slots)
         self.on_outputs = on_outputs
         self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed)
         self.runner.computing = self.processor.loop_quiet  # the output thread's turn for the GIL: the forward

@@ -58,6 +58,7 @@ class ModelRunner:
         self._rows_form = native is not None and (lora_slots is None or self._native_lora)
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs and plans kept
+        self.graphs = None  # DecodeGraphs (CUDA): decode steps replayed from captured graphs
         # Set while the model computes (its torch ops release the GIL): the engine's output thread runs then.
         self.computing: threading.Event | None = None
 
@@ -71,19 +72,24 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
+        graphed = self.graphs is not None and self.graphs.serves(step, max(s.adapter_slot for s in batch.seqs) >= 0)
         rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
-        attn = self._rows_attention(step) if rows_form else AttentionBatch(
-            positions=self._tensor(step.positions),
-            slot_mapping=self._tensor(step.slot_mapping),
-            block_tables=self._tensor(step.block_tables),
-            context_lens=self._tensor(step.context_lens),
-            cu_query_lens=self._tensor(step.cu),
-            is_decode=step.is_decode,
-        )
-        if not attn.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
-            kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
-                                          step.context_lens.tolist())
-        lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode, rows_form), None)
+        if graphed:  # the graph reads its own static inputs
+            attn = lora = None
+            sampling = plans[1] if plans else None
+        else:
+            attn = self._rows_attention(step) if rows_form else AttentionBatch(
+                positions=self._tensor(step.positions),
+                slot_mapping=self._tensor(step.slot_mapping),
+                block_tables=self._tensor(step.block_tables),
+                context_lens=self._tensor(step.context_lens),
+                cu_query_lens=self._tensor(step.cu),
+                is_decode=step.is_decode,
+            )
+            if not attn.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
+                kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
+                                              step.context_lens.tolist())
+            lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode, rows_form), None)
         num = len(batch.seqs)
         sample_seqs = step.sample_seqs.tolist()
         every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
@@ -98,7 +104,11 @@ class ModelRunner:
         errors: dict[int, Exception] = {}
         with _inference_mode():
             with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
-                hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
+                if graphed:
+                    hidden = self.graphs.run(step, np.fromiter((s.adapter_slot for s in batch.seqs), np.int32,
+                                                               num))
+                else:
+                    hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
                 if not sample_seqs:
                     return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
                 if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():

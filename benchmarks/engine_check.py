@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--eager", action="store_true", help="CUDA: no decode graphs (engine knob enforce_eager)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
     args = ap.parse_args(argv)
     import torch
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_demo(Path(tempfile.mkdtemp(prefix="loraplex-engine-check-")) / "demo")
     adapters = {None: None, "demo-a": str(demo["demo-a"]), "demo-b": str(demo["demo-b"])}
     engine = LLMEngine(EngineConfig(model_dir=str(demo["model"]), device=device, dtype="float32", max_loras=2,
-                                    multi_lora={k: v for k, v in adapters.items() if k}))
+                                    multi_lora={k: v for k, v in adapters.items() if k}, enforce_eager=args.eager))
     jobs = [(f"{i}-{name}", prompt, name) for i, prompt in enumerate(CHECK_PROMPTS) for name in adapters]
     outputs: dict[str, list] = {}
     start = time.perf_counter()
@@ -71,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         first = next(o for o in outputs[request_id] if o.logprobs)
         reference = torch.log_softmax(first_logits(str(demo["model"]), adapters[name], ids), -1)
         worst_logprob = max(worst_logprob, abs(first.logprobs[0]["token"][1] - float(reference[got[0]])))
+    graphs = engine.runner.graphs
     result = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "requests": len(jobs), "matched": matched, "max_first_logprob_diff": worst_logprob,
-              "engine_seconds": seconds, "steps": engine.num_steps}
+              "engine_seconds": seconds, "steps": engine.num_steps,
+              "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "replays": graphs.replays}}
     print(json.dumps(result, indent=2))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")

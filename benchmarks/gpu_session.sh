@@ -14,8 +14,10 @@ run() {  # name, seconds, command...
   echo "exit $?" >> "$OUT/$name.txt"
   tail -n 25 "$OUT/$name.txt"
 }
-run engine_check 120 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
-run gpu_kernels 270 python3 benchmarks/gpu_kernels.py --budget-s 200 --out "$OUT/gpu_kernels.json"
-run step_host_time 60 python3 benchmarks/step_host_time.py --seqs 256 --steps 30
-run lora_throughput 120 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
+run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
+run engine_check_eager 70 python3 benchmarks/engine_check.py --device cuda --eager --json "$OUT/engine_check_eager.json"
+run gpu_kernels 220 python3 benchmarks/gpu_kernels.py --budget-s 160 --out "$OUT/gpu_kernels.json"
+run step_host_time 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30
+run step_host_time_eager 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30 --eager
+run lora_throughput 100 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
     --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --json "$OUT/lora_throughput.json"

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_tokens: int,
-            profile: bool = False, inline: bool = False, logprobs: bool = False) -> dict:
+            profile: bool = False, inline: bool = False, logprobs: bool = False, eager: bool = False) -> dict:
     """Per-step milliseconds: whole step, forward, host (= whole - forward)."""
     from loraplex.config import EngineConfig
     from loraplex.engine import LLMEngine
@@ -35,7 +35,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
 
     config = EngineConfig(model_dir=model_dir, max_num_seqs=seqs, max_num_batched_tokens=8192,
                           adapter_store=str(Path(adapters[0]).parent) if adapters else "",
-                          max_loras=max(1, len(adapters)))
+                          max_loras=max(1, len(adapters)), enforce_eager=eager)
     engine = LLMEngine(config)
     model = engine.runner.model
     spent = dict.fromkeys(("forward", "runner", "schedule", "update", "events", "processor"), 0.0)
@@ -56,6 +56,8 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
         return wrapper
 
     model.forward, model.logits = timed(model.forward, "forward"), timed(model.logits, "forward")
+    if engine.runner.graphs is not None:  # a decode step replays a graph: that is its forward
+        engine.runner.graphs.run = timed(engine.runner.graphs.run, "forward")
     engine.runner.execute = timed(engine.runner.execute, "runner")
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
     engine.scheduler.update = timed(engine.scheduler.update, "update")
@@ -111,6 +113,7 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
     result["step_ms"] = 1e3 * wall / steps
     result["host_ms"] = result["step_ms"] - result["forward_ms"]
     result["host_median_ms"] = 1e3 * statistics.median(hosts)
+    result["decode_graphs"] = engine.runner.graphs is not None
     if profiler:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(45)
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the top host functions (cProfile)")
     ap.add_argument("--logprobs", action="store_true",
                     help="every request wants its tokens' logprobs (return_cumulative_logprob); default: none does")
+    ap.add_argument("--eager", action="store_true", help="CUDA: no decode graphs (engine knob enforce_eager)")
     ap.add_argument("--inline", action="store_true",
                     help="detokenize on the loop thread (LLMEngine.step) instead of the output processor's thread")
     args = ap.parse_args(argv)
@@ -141,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_demo()
     model_dir = args.model_dir or str(demo["model"])
     adapters = sorted(str(p) for p in Path(demo["adapters"]).iterdir() if p.is_dir())[: args.adapters]
-    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile, args.inline, args.logprobs)
+    r = measure(model_dir, adapters, args.seqs, args.steps, args.prompt_tokens, args.profile, args.inline, args.logprobs,
+                args.eager)
     where = "on the loop thread" if args.inline else "on its own thread"
     print(f"{args.seqs} sequences decoding ({len(adapters)} adapters), {args.steps} steps, "
-          f"torch threads {torch.get_num_threads()}, output processor {where}")
+          f"torch threads {torch.get_num_threads()}, output processor {where}"
+          + (", decode steps replay CUDA graphs (their input copies count as forward)" if r["decode_graphs"] else ""))
     print(f"  per step: whole {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} ms + host {r['host_ms']:.2f} ms "
           f"(median step: host {r['host_median_ms']:.2f} ms)")
     parts = ("runner", "schedule", "update", "events") + (("processor",) if args.inline else ())

@@ -111,3 +111,60 @@ def test_shim_engine_matches_peft(tiny, shim_launches):
             assert tokens[rid, index] == want, (rid, index)
     for rid in ("attn", "mlp"):  # each adapter changes the output (else equality proves little)
         assert tokens[rid, 0] != ref.greedy_tokens(model_dir, None, requests[rid].prompt_token_ids, MAX_TOKENS), rid
+
+
+def test_decode_graph_replays_match_peft(tiny, shim_launches):
+    """Decode steps through DecodeGraphs' static buffers (sizes 1, 2, 4; a stand-in capture that reruns the
+    forward on them, as a CUDA graph replays it): steps of 3 sequences pad to 4, steps of 5 run eagerly,
+    and every token still equals peft's."""
+    from loraplex.decode_graphs import DecodeGraphs
+
+    model_dir, adapters = tiny
+    engine = LLMEngine(EngineConfig(
+        model_dir=model_dir, device="cpu", dtype="float32", multi_lora=adapters, max_loras=2, max_lora_rank=8,
+        num_kv_blocks=64, block_size=BLOCK_SIZE,
+    ))
+    replayed = collections.Counter()  # graph size -> replays
+
+    def rerun(forward):
+        output = forward().clone()  # the graph's static output
+
+        def replay():
+            replayed[len(output)] += 1
+            output.copy_(forward())
+        return replay, output
+
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(engine.model, runner.kv_cache, [1, 2, 4], engine.max_model_len // BLOCK_SIZE,
+                                 engine.lora_slots, capture=rerun)
+    sizes = collections.Counter()  # decode steps by sequence count
+    execute = runner.execute
+
+    def counting(batch, *args, **kwargs):
+        if batch.seqs and all(n == 1 for n in batch.num_new_tokens):
+            sizes[len(batch.seqs)] += 1
+        return execute(batch, *args, **kwargs)
+
+    runner.execute = counting
+    lengths = {"attn": 9, "mlp": 6, "base": 3, "attn-hit": 7}  # sequences end at different steps
+    requests = {}
+    for rid, lora, prompt, n in [*FIRST, HIT]:
+        params = SamplingParams.from_dict({"temperature": 0, "max_tokens": lengths[rid], "n": n}
+                                          | ({"lora_name": lora} if lora else {}))
+        requests[rid] = engine.make_request(rid, prompt, params, "t")
+    for req in requests.values():
+        engine.add_request(req)
+    tokens = collections.defaultdict(list)
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id, out.index] += out.token_ids
+
+    assert sizes[5] >= 1 and replayed[4] >= 1, (sizes, replayed)  # 5 sequences: eager; 4 and fewer: replays
+    assert sum(replayed.values()) == sum(n for size, n in sizes.items() if size <= 4)
+    assert any(size not in (1, 2, 4) for size in sizes if size <= 4), sizes  # some replays were padded
+    for rid, req in requests.items():
+        lora = req.params.lora_name
+        want = ref.greedy_tokens(model_dir, adapters[lora] if lora else None, req.prompt_token_ids, lengths[rid])
+        for index in range(req.params.n):
+            assert tokens[rid, index] == want, (rid, index)

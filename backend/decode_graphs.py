@@ -1,0 +1,141 @@
+"""Decode steps replayed from CUDA graphs: one captured forward per batch size, its inputs in static buffers.
+
+A decode step launches hundreds of small kernels (a 32-layer model: ~20 a layer); replaying
+them as one graph removes their launch cost from the host's critical path. Capture happens
+once, at engine start, for each size in ``capture_sizes``; a step of n sequences replays the
+smallest graph of at least n rows, its extra rows padding (slot -1: no K/V written; context
+1; no adapter), as vLLM does. Steps with prefill, and decode batches above the largest size,
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Callable
+
+import torch
+
+from .models.llama import AttentionBatch, LoraBatch
+
+log = logging.getLogger("loraplex.graphs")
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """CAPTURE_SIZES up to max_num_seqs, and max_num_seqs itself (a full batch never runs eagerly)."""
+    return sorted({s for s in CAPTURE_SIZES if s < max_num_seqs} | {max_num_seqs})
+
+
+def cuda_graph_capture(pool=None) -> Callable:
+    """capture(fn) -> (replay, output): fn run once eagerly (kernels compiled and loaded outside the capture),
+    then captured into a CUDA graph that shares one memory pool with the other sizes."""
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+
+    def capture(fn: Callable[[], torch.Tensor]):
+        warm_up = torch.cuda.Stream()  # torch's recipe: the eager run on a side stream, then the capture
+        warm_up.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm_up):
+            fn()
+        torch.cuda.current_stream().wait_stream(warm_up)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            output = fn()
+        torch.cuda.synchronize()
+        return graph.replay, output
+
+    return capture
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one model, KV cache and LoRA stacks, and their static inputs."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], max_blocks_per_seq: int, lora_slots=None,
+                 capture: Callable | None = None):
+        self.sizes = sorted(sizes)
+        rows, device = self.sizes[-1], model.device
+        pinned = torch.device(device).type == "cuda"
+
+        def buffer(value: int, *shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            """A static device input and its pinned host twin: a step's array goes host -> twin -> device."""
+            host = torch.full(shape, value, dtype=dtype, pin_memory=pinned)
+            return host.to(device, copy=True), host
+
+        self.input_ids, self._input_ids = buffer(0, rows, dtype=torch.int64)
+        self.positions, self._positions = buffer(0, rows, dtype=torch.int64)
+        self.slot_mapping, self._slot_mapping = buffer(-1, rows, dtype=torch.int64)  # -1: no K/V written
+        self.block_tables, self._block_tables = buffer(0, rows, max(max_blocks_per_seq, 1), dtype=torch.int32)
+        self.context_lens, self._context_lens = buffer(1, rows, dtype=torch.int32)
+        self.token_slots, self._token_slots = buffer(-1, rows, dtype=torch.int32) if lora_slots is not None \
+            else (None, None)
+        self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.lora_slots = lora_slots
+        self.replays = 0
+        capture = capture or cuda_graph_capture()
+        self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}
+        for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
+            self.graphs[size] = capture(self._forward_of(model, kv_cache, size))
+        log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def _forward_of(self, model, kv_cache: torch.Tensor, size: int) -> Callable[[], torch.Tensor]:
+        attn = AttentionBatch(self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
+                              self.context_lens[:size], self.cu[:size + 1], True)
+        lora = None if self.token_slots is None else LoraBatch(self.lora_slots, self.token_slots[:size],
+                                                               None, None, True)
+        return lambda: model.forward(self.input_ids[:size], attn, kv_cache, lora)
+
+    def size_for(self, num_seqs: int) -> int | None:
+        """The smallest captured size of at least num_seqs rows; None above the largest."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def serves(self, step, adapters: bool) -> bool:
+        """Whether this step can replay a graph: a decode step within the sizes; with adapters, if captured so."""
+        return step.is_decode and self.size_for(len(step.context_lens)) is not None \
+            and step.block_tables.shape[1] <= self.block_tables.shape[1] and (self.token_slots is not None or not adapters)
+
+    def run(self, step, lora_slots) -> torch.Tensor:
+        """Hidden states [n, hidden] of a step that serves(): its inputs (and each row's adapter slot, None for
+        none) staged, the padding rows reset, one copy each to the device, the replay.
+
+        The result is the graph's own output: read it before the next run."""
+        n = len(step.context_lens)
+        size = self.size_for(n)
+        width = step.block_tables.shape[1]
+        staged = [(self.input_ids, self._input_ids, step.input_ids, 0),
+                  (self.positions, self._positions, step.positions, 0),
+                  (self.slot_mapping, self._slot_mapping, step.slot_mapping, -1),
+                  (self.context_lens, self._context_lens, step.context_lens, 1)]
+        if self.token_slots is not None:
+            staged.append((self.token_slots, self._token_slots, lora_slots, -1))
+        for device_buffer, host, values, padding in staged:
+            if values is None:
+                host[:n].fill_(padding)
+            else:
+                host[:n].numpy()[:] = values
+            host[n:size].fill_(padding)  # padding rows: write nothing, attend to one key, no adapter
+            device_buffer[:size].copy_(host[:size], non_blocking=True)
+        self._block_tables[:n, :width].numpy()[:] = step.block_tables
+        self.block_tables[:n].copy_(self._block_tables[:n], non_blocking=True)
+        replay, output = self.graphs[size]
+        replay()
+        self.replays += 1
+        return output[:n]
+
+
+def build_decode_graphs(model, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,
+                        lora_slots=None) -> DecodeGraphs | None:
+    """The engine's decode graphs on CUDA; None (eager decode, with a warning) if capture fails."""
+    try:
+        return DecodeGraphs(model, kv_cache, capture_sizes(max_num_seqs), -(-max_model_len // block_size),
+                            lora_slots)
+    except Exception:  # noqa: BLE001 - eager decode is slower, never wrong
+        log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None
+
+
+__all__ = ["DecodeGraphs", "build_decode_graphs", "capture_sizes", "cuda_graph_capture", "CAPTURE_SIZES"]
