@@ -50,6 +50,8 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
+        # on a GPU, rows with NaN or infinite logits are found without a sync of their own (_zero_non_finite)
+        self._finite_on_device = not self._on_cpu
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         # the model's one-call decode forward adds these LoRA stacks' deltas itself (decided once: both are fixed)
@@ -116,10 +118,14 @@ class ModelRunner:
                 else:
                     picked = hidden[self._tensor(sample_rows)]
                 logits = self.model.logits(picked)
-            greedy, finite = kernels.argmax_rows(logits)  # one pass: the greedy tokens, and a NaN or inf anywhere
-            if not finite:
-                logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
-                greedy = None  # the rows zeroed: their argmax again
+            if self._finite_on_device:  # no sync before the sampled ids: see _zero_non_finite
+                logits, row_finite = _zero_non_finite(logits)
+                greedy = logits.argmax(dim=-1)  # not argmax_rows: its finite check reads a value back
+            else:
+                greedy, finite = kernels.argmax_rows(logits)  # one pass: the greedy tokens, and a NaN or inf anywhere
+                if not finite:
+                    logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
+                    greedy = None  # the rows zeroed: their argmax again
             sampling = sampling or _sampling_rows(seqs)
             params, generators, random_rows, wants_logprobs = sampling
             tokens = sample_tokens(logits, params, generators, random_rows, greedy)
@@ -127,7 +133,12 @@ class ModelRunner:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
             else:  # nobody reads them: skip a logsumexp over the vocabulary per row
                 chosen = tops = None
-            token_array = (tokens if self._on_cpu else tokens.cpu()).numpy()
+            if self._finite_on_device:  # the step's one sync: the ids and each row's finite flag in one copy
+                fetched = torch.cat([tokens, row_finite.to(tokens.dtype)]).cpu().numpy()
+                token_array = fetched[: len(tokens)]
+                _fail_non_finite(np.flatnonzero(fetched[len(tokens):] == 0).tolist(), sample_seqs, errors)
+            else:
+                token_array = (tokens if self._on_cpu else tokens.cpu()).numpy()
             tokens = token_array.tolist()
         if not errors:
             self._inputs.sampled(token_array, (lora, sampling))
@@ -156,8 +167,7 @@ class ModelRunner:
                             errors: dict[int, Exception]) -> torch.Tensor:
         """Record an error for each row with NaN/inf logits and zero those rows so the others still sample."""
         bad = (~finite).nonzero().flatten().tolist()
-        for j in bad:
-            errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
+        _fail_non_finite(bad, sample_seqs, errors)
         logits = logits.clone()
         logits[bad] = 0.0
         return logits
@@ -234,6 +244,19 @@ class ModelRunner:
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+def _fail_non_finite(bad_rows: list[int], sample_seqs: list[int], errors: dict[int, Exception]) -> None:
+    """An error for the sequence of each sampled row whose logits were not finite."""
+    for j in bad_rows:
+        errors[sample_seqs[j]] = NonFiniteLogits("the model produced NaN or infinite logits for this request")
+
+
+def _zero_non_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with every row holding a NaN or infinity zeroed, each row's finite flag), without reading anything
+    back: the flags travel with the sampled ids (one pass more over the logits, cheap on a GPU)."""
+    row_finite = torch.isfinite(logits).all(dim=-1)
+    return torch.where(row_finite.unsqueeze(1), logits, 0.0), row_finite
 
 
 def _prompt_rows_fit(step) -> bool:

@@ -132,8 +132,11 @@ def test_a_newcomer_that_breaks_the_forward_fails_alone(engine_factory, referenc
     assert engine.finished_requests[("default", "error")] == 1
 
 
-def test_a_row_of_nan_logits_fails_only_its_request(engine_factory, reference):
+@pytest.mark.parametrize("found", ["by argmax_rows", "on the device"])
+def test_a_row_of_nan_logits_fails_only_its_request(engine_factory, reference, found):
+    """Found by the CPU's argmax pass, or as a GPU finds it: rows zeroed and flags fetched with the ids."""
     engine = engine_factory()
+    engine.runner._finite_on_device = found == "on the device"
     logits, execute, current = engine.model.logits, engine.runner.execute, []
     target = engine.tokenizer("NaN row").input_ids
 
