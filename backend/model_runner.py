@@ -52,6 +52,9 @@ class ModelRunner:
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         # on a GPU, rows with NaN or infinite logits are found without a sync of their own (_zero_non_finite)
         self._finite_on_device = not self._on_cpu
+        # CPU: logits written into one buffer step after step; a fresh [256, 32k] fp32 tensor (over glibc's mmap
+        # threshold) is mapped and page-faulted anew each step, 2.6 ms of a 15 ms step (docs/benchmarks.md)
+        self._logits_buffer = torch.empty(0, model.vocab_size)
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
         # the model's one-call decode forward adds these LoRA stacks' deltas itself (decided once: both are fixed)
@@ -117,7 +120,7 @@ class ModelRunner:
                     picked = hidden  # every row sampled once, in order: the index would copy it unchanged
                 else:
                     picked = hidden[self._tensor(sample_rows)]
-                logits = self.model.logits(picked)
+                logits = self.model.logits(picked, self._logits_out(len(picked)))
             if self._finite_on_device:  # no sync before the sampled ids: see _zero_non_finite
                 logits, row_finite = _zero_non_finite(logits)
                 greedy = logits.argmax(dim=-1)  # not argmax_rows: its finite check reads a value back
@@ -151,6 +154,14 @@ class ModelRunner:
             if wanted:
                 out.logprobs[i], out.top_logprobs[i] = chosen[j], tops[j]
         return out
+
+    def _logits_out(self, rows: int) -> torch.Tensor | None:
+        """The first rows of the reused logits buffer (grown as needed) on the CPU; None elsewhere."""
+        if not self._on_cpu:
+            return None
+        if len(self._logits_buffer) < rows:
+            self._logits_buffer = torch.empty(rows, self._logits_buffer.shape[1])
+        return self._logits_buffer[:rows]
 
     def copy_blocks(self, batch) -> None:
         """The step's block copies, in order: swap out, copy-on-write, swap in."""

@@ -89,11 +89,11 @@ def linear_pack(weight, bias=None, half: bool = True):
     return reference.fp16_linear_pack(weight, bias)
 
 
-def packed_linear(x, packed):
+def packed_linear(x, packed, out=None):
     """x @ W.T + b [M, N] in fp32 with W from linear_pack (each weight read as its stored value): the GEMM its
-    packing was made for."""
+    packing was made for; the native one writes into `out` when given."""
     if isinstance(packed, cpu_native.Panels):
-        return cpu_native.packed_linear(x, packed)
+        return cpu_native.packed_linear(x, packed, out)
     return reference.fp16_linear(x, packed)
 
 

@@ -238,13 +238,16 @@ def panels_native() -> bool:
     return lib is not None and lib.lp_gemm_panel_width() > 0
 
 
-def packed_linear(x, weight: Panels):
+def packed_linear(x, weight: Panels, out=None):
     """x [M, K] fp32 @ W.T + bias -> [M, N] fp32: each weight read as its stored (fp16 or fp32) value, products
-    summed in fp32."""
+    summed in fp32; into `out` (contiguous [M, N] fp32) when given."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    out = torch.empty((m, weight.out_features), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((m, weight.out_features), dtype=torch.float32)
+    elif out.shape != (m, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"packed_linear: out must be contiguous fp32 {(m, weight.out_features)}")
     bias = None if weight.bias is None else weight.bias.data_ptr()
     gemm = library().lp_gemm_f16 if weight.half else library().lp_gemm_f32
     gemm(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(), weight.out_features, m,

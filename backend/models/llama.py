@@ -231,12 +231,13 @@ class LlamaModel:
             delta = self._proj(i, "down_proj", ops.silu_mul(gate, up), lora)
         return ops.add_rms_norm(h, delta, self.norm, self.eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits in fp32."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocabulary logits in fp32; the CPU's GEMMs write them into `out` [rows, vocab] when given (a buffer
+        reused step after step), the others return a new tensor."""
         if self.packed_lm_head is not None:
-            return kernels.packed_linear(hidden, self.packed_lm_head)
+            return kernels.packed_linear(hidden, self.packed_lm_head, out)
         if self.lm_head_t is not None:
-            return torch.mm(hidden, self.lm_head_t)
+            return torch.mm(hidden, self.lm_head_t, out=out)
         return F.linear(hidden, self.lm_head).float()
 
     def kv_bytes_per_block(self, block_size: int) -> int:

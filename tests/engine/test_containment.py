@@ -144,8 +144,8 @@ def test_a_row_of_nan_logits_fails_only_its_request(engine_factory, reference, f
         current[:] = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == len(s.token_ids)]
         return execute(batch, *args, **kwargs)
 
-    def nan_for_target(hidden):
-        out = logits(hidden)
+    def nan_for_target(hidden, *buffer):
+        out = logits(hidden, *buffer)
         for row, seq in enumerate(current):  # sampled rows, in batch order
             if seq.token_ids[: len(target)] == target and seq.num_output_tokens == 2:
                 out[row] = float("nan")

@@ -316,7 +316,7 @@ def test_a_prefill_step_in_either_form_matches_peft(lora_family, kernel_mode, mo
     rows_seen, logits = [], []
     native, head = engine.model.native_decode, engine.model.logits
     engine.model.native_decode = lambda h, *args: rows_seen.append(h.shape[0]) or native(h, *args)
-    engine.model.logits = lambda h: logits.append(head(h)) or logits[-1]
+    engine.model.logits = lambda h, *out: logits.append(head(h, *out).clone()) or logits[-1]  # out: reused
     batch = [("Hello world", "attn-r4"), (SHARED, None), (LONG, "all-r16")]
     prompts = [engine.tokenizer(p).input_ids for p, _ in batch]
     if budget >= sum(map(len, prompts)):
