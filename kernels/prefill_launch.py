@@ -9,12 +9,13 @@ import torch
 
 from .instances import prefill_name
 from .launch_args import ceil_div, check_paged, int32_on, same_dtype
-from .prefill_sdpa import paged_attention_prefill_sdpa
+from .prefill_sdpa import paged_attention_prefill_sdpa, paged_attention_prefill_varlen
 from .runners import runner_for
 
 THREADS = 128  # 32 * PrefillTile::WARPS in the .cu
-IMPLS = ("sdpa", "kernel")
-# Default path on CUDA; "sdpa" until benchmarks/gpu_kernels.py measures otherwise.
+IMPLS = ("sdpa", "kernel", "varlen")
+# Default path on CUDA; "sdpa" until benchmarks/gpu_kernels.py measures otherwise (varlen: torch's Flash Attention
+# over the paged cache, one call for the whole step, not yet run on a GPU here).
 DEFAULT_IMPL = os.environ.get("LORAPLEX_PREFILL_ATTENTION", "sdpa")
 
 
@@ -30,6 +31,8 @@ def paged_attention_prefill(
     impl = impl or DEFAULT_IMPL
     if impl == "sdpa":
         return paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+    if impl == "varlen":
+        return paged_attention_prefill_varlen(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
     if impl != "kernel":
         raise ValueError(f"unknown prefill attention impl {impl!r} (one of {IMPLS})")
     return paged_attention_prefill_kernel(

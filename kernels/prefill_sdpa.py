@@ -28,6 +28,8 @@ class _Plan:
     decode_seqs: torch.Tensor | None  # int64 [D]: those sequences' indices
     prefills: list[tuple[int, int, int, int]]  # (first token, end token, context length, sequence) of the others
     decode_inputs: tuple | None = None  # (block tables, context lens) of the one-token sequences, from the first layer
+    max_query: int = 0  # the step's most new tokens of one sequence, and its longest context (for varlen_attn)
+    max_context: int = 0
 
 
 def _make_plan(starts: list[int], lengths: list[int], device) -> _Plan:
@@ -38,11 +40,12 @@ def _make_plan(starts: list[int], lengths: list[int], device) -> _Plan:
             single.append((lo, b))
         elif hi > lo:
             prefills.append((lo, hi, int(lengths[b]), b))
+    longest = (max((hi - lo for lo, hi, _, _ in prefills), default=1), max(map(int, lengths), default=0))
     if len(single) < 2:  # one query alone gains nothing from the batched call
         prefills = sorted(prefills + [(lo, lo + 1, int(lengths[b]), b) for lo, b in single])
-        return _Plan(None, None, prefills)
+        return _Plan(None, None, prefills, None, *longest)
     rows, seqs = (torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True) for values in zip(*single))
-    return _Plan(rows, seqs, prefills)
+    return _Plan(rows, seqs, prefills, None, *longest)
 
 
 def remember_host_lengths(cu_query_lens: torch.Tensor, context_lens: torch.Tensor, starts, lengths) -> None:
@@ -82,3 +85,15 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_len
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[lo:hi] = o.transpose(0, 1)
     return out
+
+
+def paged_attention_prefill_varlen(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
+    """The same attention by Flash Attention's variable-length call over the paged cache (torch's varlen_attn,
+    CUDA, fp16/bf16): every sequence of the step in one call per layer, nothing gathered, the causal mask
+    aligned to each sequence's last key. A candidate until benchmarks/gpu_kernels.py has measured it."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    plan = _plan(cu_query_lens, context_lens)
+    return varlen_attn(q, k_cache, v_cache, cu_query_lens, None, plan.max_query, plan.max_context, scale=scale,
+                       window_size=(-1, 0), enable_gqa=q.shape[1] != k_cache.shape[2], seqused_k=context_lens,
+                       block_table=block_tables)
