@@ -74,16 +74,17 @@ class DecodeGraphs:
         self.lora_slots = lora_slots
         self.replays = 0
         capture = capture or cuda_graph_capture()
-        self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}
+        # (size, with adapters) -> (replay, output); a batch without adapters skips the LoRA kernels altogether
+        self.graphs: dict[tuple[int, bool], tuple[Callable, torch.Tensor]] = {}
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
-            self.graphs[size] = capture(self._forward_of(model, kv_cache, size))
+            for adapters in (False, True) if lora_slots is not None else (False,):
+                self.graphs[size, adapters] = capture(self._forward_of(model, kv_cache, size, adapters))
         log.info("captured decode graphs for batch sizes %s", self.sizes)
 
-    def _forward_of(self, model, kv_cache: torch.Tensor, size: int) -> Callable[[], torch.Tensor]:
+    def _forward_of(self, model, kv_cache: torch.Tensor, size: int, adapters: bool) -> Callable[[], torch.Tensor]:
         attn = AttentionBatch(self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
                               self.context_lens[:size], self.cu[:size + 1], True)
-        lora = None if self.token_slots is None else LoraBatch(self.lora_slots, self.token_slots[:size],
-                                                               None, None, True)
+        lora = LoraBatch(self.lora_slots, self.token_slots[:size], None, None, True) if adapters else None
         return lambda: model.forward(self.input_ids[:size], attn, kv_cache, lora)
 
     def size_for(self, num_seqs: int) -> int | None:
@@ -91,14 +92,14 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def serves(self, step, adapters: bool) -> bool:
-        """Whether this step can replay a graph: a decode step within the sizes; with adapters, if captured so."""
+    def serves(self, step) -> bool:
+        """Whether this step can replay a graph: a decode step within the sizes."""
         return step.is_decode and self.size_for(len(step.context_lens)) is not None \
-            and step.block_tables.shape[1] <= self.block_tables.shape[1] and (self.token_slots is not None or not adapters)
+            and step.block_tables.shape[1] <= self.block_tables.shape[1]
 
-    def run(self, step, lora_slots) -> torch.Tensor:
-        """Hidden states [n, hidden] of a step that serves(): its inputs (and each row's adapter slot, None for
-        none) staged, the padding rows reset, one copy each to the device, the replay.
+    def run(self, step, adapter_slots) -> torch.Tensor:
+        """Hidden states [n, hidden] of a step that serves(): its inputs (and each row's adapter slot; None when
+        no row has one) staged, the padding rows reset, one copy each to the device, the replay.
 
         The result is the graph's own output: read it before the next run."""
         n = len(step.context_lens)
@@ -108,18 +109,15 @@ class DecodeGraphs:
                   (self.positions, self._positions, step.positions, 0),
                   (self.slot_mapping, self._slot_mapping, step.slot_mapping, -1),
                   (self.context_lens, self._context_lens, step.context_lens, 1)]
-        if self.token_slots is not None:
-            staged.append((self.token_slots, self._token_slots, lora_slots, -1))
+        if adapter_slots is not None:
+            staged.append((self.token_slots, self._token_slots, adapter_slots, -1))
         for device_buffer, host, values, padding in staged:
-            if values is None:
-                host[:n].fill_(padding)
-            else:
-                host[:n].numpy()[:] = values
+            host[:n].numpy()[:] = values
             host[n:size].fill_(padding)  # padding rows: write nothing, attend to one key, no adapter
             device_buffer[:size].copy_(host[:size], non_blocking=True)
         self._block_tables[:n, :width].numpy()[:] = step.block_tables
         self.block_tables[:n].copy_(self._block_tables[:n], non_blocking=True)
-        replay, output = self.graphs[size]
+        replay, output = self.graphs[size, adapter_slots is not None]
         replay()
         self.replays += 1
         return output[:n]

@@ -77,7 +77,7 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
-        graphed = self.graphs is not None and self.graphs.serves(step, max(s.adapter_slot for s in batch.seqs) >= 0)
+        graphed = self.graphs is not None and self.graphs.serves(step)
         rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
         if graphed:  # the graph reads its own static inputs
             attn = lora = None
@@ -110,8 +110,8 @@ class ModelRunner:
         with _inference_mode():
             with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
                 if graphed:
-                    hidden = self.graphs.run(step, np.fromiter((s.adapter_slot for s in batch.seqs), np.int32,
-                                                               num))
+                    slots = np.fromiter((s.adapter_slot for s in batch.seqs), np.int32, num)
+                    hidden = self.graphs.run(step, slots if slots.max() >= 0 else None)
                 else:
                     hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
                 if not sample_seqs:

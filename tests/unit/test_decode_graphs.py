@@ -14,6 +14,7 @@ def test_capture_sizes_reach_max_num_seqs():
 
 
 def test_a_step_replays_the_smallest_graph_that_holds_it():
+    """Without LoRA stacks only the graphs without adapters are captured."""
     class Model:  # the forward's inputs are all the capture sees here
         device = "cpu"
 
@@ -23,7 +24,8 @@ def test_a_step_replays_the_smallest_graph_that_holds_it():
     graphs = DecodeGraphs(Model(), None, [1, 2, 4, 8], max_blocks_per_seq=4,
                           capture=lambda forward: (lambda: None, forward()))
     assert [graphs.size_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
-    assert {size: len(output) for size, (_, output) in graphs.graphs.items()} == {1: 1, 2: 2, 4: 4, 8: 8}
+    assert {key: len(output) for key, (_, output) in graphs.graphs.items()} == {(1, False): 1, (2, False): 2,
+                                                                                 (4, False): 4, (8, False): 8}
 
 
 def test_a_failed_capture_leaves_decode_eager(caplog):
