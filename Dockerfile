@@ -51,7 +51,6 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY backend backend
-COPY kernels kernels
 COPY clients clients
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && pip install --no-cache-dir /wheels/loraplex-*.whl 'cupy-cuda12x>=13.3,<14' \

@@ -1,4 +1,4 @@
-"""The native CPU ops (kernels/cpu_native.c) against the torch path they replace, measured in one process.
+"""The native CPU ops (backend/kernels/cpu_native.c) against the torch path they replace, measured in one process.
 
     python benchmarks/cpu_native.py [--streams 1,16] [--rounds 3] [--gemm-rows 1,4,16,48,128,256] [--threads 1]
 

@@ -1,5 +1,5 @@
 """CPU timings of the torch reference kernels: the per-sequence / per-adapter loops they replaced
-("before", kept verbatim below as _loop_*) vs the vectorized kernels/reference.py ("after").
+("before", kept verbatim below as _loop_*) vs the vectorized backend/kernels/reference.py ("after").
 
     python benchmarks/cpu_reference_ops.py [--quick] [--threads N] [--rounds 7] [--json PATH]
 
@@ -44,7 +44,7 @@ def import_reference():
 
         return reference
     except ImportError:
-        spec = importlib.util.spec_from_file_location("cpu_bench_reference", REPO / "kernels" / "reference.py")
+        spec = importlib.util.spec_from_file_location("cpu_bench_reference", REPO / "backend" / "kernels" / "reference.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

@@ -1,7 +1,7 @@
 """GPU kernel benchmark: numerics vs the torch reference, then bandwidth and time vs torch baselines.
 
 Runs in-process on one CUDA device (no Triton). Sections:
-  1. numerics: every kernel (all dtypes) against kernels/reference.py on the GPU;
+  1. numerics: every kernel (all dtypes) against backend/kernels/reference.py on the GPU;
   2. paged-attention decode at 7B-class shapes: achieved memory bandwidth as a fraction
      of the device peak, and time vs gather + torch SDPA;
   3. BGMV shrink + expand (hidden 4096, ranks 8-64): bandwidth and time vs gather + bmm;
@@ -64,7 +64,7 @@ class PrefillShape:
 
 
 def import_kernels():
-    """loraplex.kernels, installed or (without an install) loaded from this checkout's kernels/."""
+    """loraplex.kernels, installed or (without an install) loaded from this checkout's backend/kernels/."""
     try:
         import loraplex.kernels as kernels
 
@@ -78,7 +78,8 @@ def import_kernels():
         root.__path__ = []
         sys.modules["loraplex"] = root
     spec = importlib.util.spec_from_file_location(
-        "loraplex.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
+        "loraplex.kernels", REPO / "backend" / "kernels" / "__init__.py",
+        submodule_search_locations=[str(REPO / "backend" / "kernels")]
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules["loraplex.kernels"] = module

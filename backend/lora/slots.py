@@ -1,6 +1,6 @@
 """Device-resident LoRA stacks: a fixed number of adapter slots the model reads every step.
 
-Layout per layer and projection (see kernels/reference.py):
+Layout per layer and projection (see backend/kernels/reference.py):
   a[layer][module]      [max_loras, max_rank, in_features]   zero-padded past each rank
   b[layer][module]      [max_loras, out_features, max_rank]  zero-padded past each rank (on the CPU a
                         view of [max_loras, max_rank, out_features] stored contiguous: see _b_stack)

@@ -66,7 +66,7 @@ def test_imports_kernels_from_the_checkout_when_not_installed():
         f"spec = importlib.util.spec_from_file_location('bench', {str(SCRIPT)!r})\n"
         "m = importlib.util.module_from_spec(spec); sys.modules['bench'] = m; spec.loader.exec_module(m)\n"
         "k = m.import_kernels()\n"
-        f"assert k.__file__ == {str(SCRIPT.parents[1] / 'kernels' / '__init__.py')!r}, k.__file__\n"
+        f"assert k.__file__ == {str(SCRIPT.parents[1] / 'backend' / 'kernels' / '__init__.py')!r}, k.__file__\n"
         "from loraplex.kernels import decode_launch\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -26,8 +26,9 @@ def cache_dir() -> Path:
     env = os.environ.get("LORAPLEX_KERNEL_CACHE")
     if env:
         return Path(env)
-    if (KERNEL_DIR.parent / "pyproject.toml").exists():
-        return KERNEL_DIR.parent / ".cache" / "kernels_cpu"
+    checkout = KERNEL_DIR.parents[1]  # backend/kernels -> the checkout
+    if (checkout / "pyproject.toml").exists():
+        return checkout / ".cache" / "kernels_cpu"
     return Path.home() / ".cache" / "loraplex" / "kernels_cpu"
 
 
