@@ -79,7 +79,24 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
             for adapters in (False, True) if lora_slots is not None else (False,):
                 self.graphs[size, adapters] = capture(self._forward_of(model, kv_cache, size, adapters))
+        self._check_replay(model, kv_cache)
         log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def _check_replay(self, model, kv_cache: torch.Tensor) -> None:
+        """The largest graph replayed on inputs it was not captured with equals the eager forward on them: a
+        kernel that ran at capture instead of joining the graph would leave its capture-time values. Raises
+        RuntimeError otherwise. The buffers are reset after (no K/V is written: every slot is -1)."""
+        size = self.sizes[-1]
+        self.input_ids[:size].copy_(torch.arange(size, device=self.input_ids.device) % model.vocab_size)
+        self.positions[:size].copy_(torch.arange(size, device=self.positions.device) % model.max_len)
+        replay, output = self.graphs[size, False]
+        replay()
+        want = self._forward_of(model, kv_cache, size, False)()
+        same = torch.allclose(output.float(), want.float(), rtol=1e-3, atol=1e-3)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        if not same:
+            raise RuntimeError("a decode graph's replay differs from the eager forward")
 
     def _forward_of(self, model, kv_cache: torch.Tensor, size: int, adapters: bool) -> Callable[[], torch.Tensor]:
         attn = AttentionBatch(self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],

@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 import torch
 
 from loraplex.decode_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
@@ -13,28 +14,47 @@ def test_capture_sizes_reach_max_num_seqs():
     assert capture_sizes(1) == [1]
 
 
+class Model:
+    """What the capture sees of a model: its device, sizes and forward (here a function of the ids and
+    positions only)."""
+
+    device, vocab_size, max_len = "cpu", 100, 64
+
+    def forward(self, input_ids, attn, kv_cache, lora):
+        return torch.stack([input_ids, attn.positions], dim=1).float()
+
+
+def rerun(forward):
+    """A stand-in for CUDA graph capture: the replay reruns the forward into the static output."""
+    output = forward().clone()
+    return (lambda: output.copy_(forward())), output
+
+
 def test_a_step_replays_the_smallest_graph_that_holds_it():
     """Without LoRA stacks only the graphs without adapters are captured."""
-    class Model:  # the forward's inputs are all the capture sees here
-        device = "cpu"
-
-        def forward(self, input_ids, attn, kv_cache, lora):
-            return torch.zeros(len(input_ids), 4)
-
-    graphs = DecodeGraphs(Model(), None, [1, 2, 4, 8], max_blocks_per_seq=4,
-                          capture=lambda forward: (lambda: None, forward()))
+    graphs = DecodeGraphs(Model(), None, [1, 2, 4, 8], max_blocks_per_seq=4, capture=rerun)
     assert [graphs.size_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert {key: len(output) for key, (_, output) in graphs.graphs.items()} == {(1, False): 1, (2, False): 2,
                                                                                  (4, False): 4, (8, False): 8}
 
 
-def test_a_failed_capture_leaves_decode_eager(caplog):
-    class Model:
-        device = "cpu"
+def test_a_replay_that_differs_from_the_eager_forward_is_refused():
+    """A capture whose replay keeps its capture-time output (a kernel that ran instead of joining the graph)."""
+    def frozen(forward):
+        output = forward().clone()
+        return (lambda: None), output
 
+    with pytest.raises(RuntimeError, match="differs from the eager forward"):
+        DecodeGraphs(Model(), None, [1, 2, 4], max_blocks_per_seq=4, capture=frozen)
+    graphs = DecodeGraphs(Model(), None, [1, 2, 4], max_blocks_per_seq=4, capture=rerun)
+    assert int(graphs.input_ids.abs().sum()) == 0 and int(graphs.positions.abs().sum()) == 0  # reset after
+
+
+def test_a_failed_capture_leaves_decode_eager(caplog):
+    class Broken(Model):
         def forward(self, *args):
             raise RuntimeError("no graphs here")
 
     with caplog.at_level(logging.WARNING, logger="loraplex.graphs"):
-        assert build_decode_graphs(Model(), None, max_num_seqs=4, max_model_len=64, block_size=16) is None
+        assert build_decode_graphs(Broken(), None, max_num_seqs=4, max_model_len=64, block_size=16) is None
     assert "decode steps run eagerly" in caplog.text
