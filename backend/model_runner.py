@@ -79,9 +79,9 @@ class ModelRunner:
         step, plans = self._inputs.build(batch)
         graphed = self.graphs is not None and self.graphs.serves(step)
         rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
-        if graphed:  # the graph reads its own static inputs
-            attn = lora = None
-            sampling = plans[1] if plans else None
+        if graphed:  # the graph reads its own static inputs; its LoRA plan is each row's adapter slot
+            attn = None
+            lora, sampling = plans or (_adapter_slots(batch.seqs), None)
         else:
             attn = self._rows_attention(step) if rows_form else AttentionBatch(
                 positions=self._tensor(step.positions),
@@ -110,8 +110,7 @@ class ModelRunner:
         with _inference_mode():
             with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
                 if graphed:
-                    slots = np.fromiter((s.adapter_slot for s in batch.seqs), np.int32, num)
-                    hidden = self.graphs.run(step, slots if slots.max() >= 0 else None)
+                    hidden = self.graphs.run(step, lora)
                 else:
                     hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
                 if not sample_seqs:
@@ -212,12 +211,9 @@ class ModelRunner:
         """Per-row slots for a decode step (one token per sequence) or a step in the decode form, segments for a
         step with prefill; on the torch path, dense runs for long runs of one adapter and slot tiles for the
         other rows."""
-        if self.lora_slots is None:
+        slots = None if self.lora_slots is None else _adapter_slots(batch.seqs)
+        if slots is None:
             return None
-        slot_list = [seq.adapter_slot for seq in batch.seqs]
-        if max(slot_list) < 0:
-            return None
-        slots = np.fromiter(slot_list, np.int32, len(slot_list))
         if (is_decode or rows_form) and self._native_lora:  # one native call adds each row's delta
             row_slots = slots if is_decode else np.repeat(slots, np.diff(cu))
             return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, True)
@@ -255,6 +251,14 @@ class ModelRunner:
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+
+def _adapter_slots(seqs) -> np.ndarray | None:
+    """Each sequence's adapter slot (int32; -1: the base model), or None when none has an adapter."""
+    slot_list = [seq.adapter_slot for seq in seqs]
+    if max(slot_list) < 0:
+        return None
+    return np.fromiter(slot_list, np.int32, len(slot_list))
 
 
 def _fail_non_finite(bad_rows: list[int], sample_seqs: list[int], errors: dict[int, Exception]) -> None:
