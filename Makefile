@@ -10,6 +10,8 @@
 #                 continuous against static batching over offered loads, the prefix cache on and off; a table of
 #                 goals, plots in docs/bench/, the generated head of docs/benchmarks.md; BENCH_ARGS=--quick: a
 #                 smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
+#   make gpu-env  the suite's kernel, engine and unit tests in the GPU machine's stack (NumPy 2, CuPy 14,
+#                 CUDA 13's NVRTC) on this CPU, in .cache/gpu-env-venv: launchers must work with CuPy 13 and 14
 #   make lock     re-resolve constraints.txt (the pinned versions `make setup` installs) to the newest releases
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
@@ -30,13 +32,14 @@ TENANTS_FILE ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 AIPERF_VENV ?= .cache/aiperf-venv
+GPU_ENV_VENV ?= .cache/gpu-env-venv
 
 # The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
 # re-runs the install; otherwise `make setup` is a no-op.
 DEPS_KEY := $(shell cat pyproject.toml Makefile constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
-.PHONY: setup serve test bench aiperf demo smollm2 lock clean distclean
+.PHONY: setup serve test bench aiperf demo smollm2 gpu-env lock clean distclean
 
 setup: $(STAMP)
 
@@ -124,6 +127,21 @@ aiperf: $(AIPERF_VENV)/bin/aiperf
 
 bench: setup $(AIPERF_VENV)/bin/aiperf
 	$(VPY) benchmarks/suite.py --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS)
+
+# The lent GPU machine runs NumPy 2 and CuPy 14 (cupy-cuda13x), our serving environment NumPy 1 and CuPy 13
+# (Triton 2.51's stub, see setup). This rehearses the first on the CPU, before a GPU's 15 minutes are spent:
+# the tests that need no Triton (the .cu kernels through NVRTC 13 and the CPU shim, the engine, the units),
+# with the checkout installed --no-deps (its pins say numpy<2). ~3 min; not part of `make test`.
+gpu-env: setup demo
+	rm -rf $(GPU_ENV_VENV)
+	$(UV) venv -q --python $(PYTHON) $(GPU_ENV_VENV)
+	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python $(UV_PIP_ARGS) -q 'torch==2.13.0' 'numpy>=2' \
+		'cupy-cuda13x>=14' nvidia-cuda-nvrtc transformers peft safetensors tokenizers gguf fastapi uvicorn \
+		pytest hypothesis requests 'tritonclient[grpc]'
+	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python -q --no-deps -e .
+	$(GPU_ENV_VENV)/bin/python -c "import numpy, cupy; print('numpy', numpy.__version__, 'cupy', cupy.__version__); \
+		assert int(numpy.__version__.split('.')[0]) >= 2 and int(cupy.__version__.split('.')[0]) >= 14"
+	$(GPU_ENV_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels tests/engine tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf .cache .pytest_cache .hypothesis build *.egg-info
