@@ -35,10 +35,11 @@ BENCH_ARGS ?=
 AIPERF_VENV ?= .cache/aiperf-venv
 GPU_ENV_VENV ?= .cache/gpu-env-venv
 
-# The stamp's name carries a hash of pyproject.toml and this Makefile: editing either
-# re-runs the install; otherwise `make setup` is a no-op.
-# pyproject's `bench` extra (AIPerf, matplotlib), what AIPerf's own virtualenv installs
+# pyproject's `bench` extra (AIPerf, matplotlib): what AIPerf's own virtualenv installs
 BENCH_DEPS = $$($(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench'])")
+
+# The stamp's name carries a hash of pyproject.toml, this Makefile and constraints.txt: editing
+# any of them re-runs the install; otherwise `make setup` is a no-op.
 DEPS_KEY := $(shell cat pyproject.toml Makefile constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.loraplex-deps-$(DEPS_KEY)
 
@@ -120,7 +121,7 @@ test: setup demo smollm2 aiperf
 
 # AIPerf (pyproject's `bench` extra) in its own virtualenv, not $(VENV): its dependencies would
 # move pinned packages of the serving environment (huggingface_hub, psutil, rich) and, on their
-# own, pull numpy 2. Installed with uv (pinned, in $(VENV) by `make setup`): its ~90 packages take
+# own, pull numpy 2. Installed with uv (pinned, in $(VENV) by `make setup`): its ~140 packages take
 # ~6 s with uv against ~2 min with pip. constraints-aiperf.txt pins all of them, as constraints.txt
 # does the serving environment's (`make lock` rewrites both). Re-installed when either file changes.
 $(AIPERF_VENV)/bin/aiperf: pyproject.toml constraints-aiperf.txt | $(STAMP)
