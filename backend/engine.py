@@ -117,7 +117,7 @@ class LLMEngine:
                 self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,
                                                          config.block_size, self.lora_slots)
         self.on_outputs = on_outputs
-        self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed)
+        self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed, self._final_made)
         self.runner.computing = self.processor.loop_quiet  # the output thread's turn for the GIL: the forward
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
         self._inbox: deque = deque()
@@ -278,6 +278,11 @@ class LLMEngine:
         self._inbox.append(("stop", seq))
         self._wake.set()
 
+    def _final_made(self, request: Request) -> None:
+        """The output processor made the final output of a request with stop strings (request.final_reason)."""
+        self._inbox.append(("final", request))
+        self._wake.set()
+
     def _output_failed(self, request: Request, exc: Exception) -> None:
         """The output processor could not make a request's output: fail it with its one error output."""
         self._inbox.append(("fail", (request, exc)))
@@ -369,6 +374,8 @@ class LLMEngine:
                     self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
             elif kind == "stop":
                 self._stop_sample(item)
+            elif kind == "final":
+                self._count_pending_end(item)
             elif kind == "fail":
                 outputs += self._fail_output(*item)
             else:
@@ -496,14 +503,35 @@ class LLMEngine:
         return ErrorEvent(request, self._error_output(request, exc, reason))
 
     def _ended(self, request: Request, reason: str, exc: Exception | None = None) -> None:
-        """Once per request, however it ended: count it, return its quota and adapter-version uses."""
-        key = (request.metric_label, reason)
-        self.finished_requests[key] = self.finished_requests.get(key, 0) + 1
+        """Once per request, however it ended: count it, return its quota and adapter-version uses.
+
+        A request with stop strings that reached its length may have ended on a stop string in the
+        output processor, which runs behind the loop: it is counted by the reason its final output
+        carried, once that output is made.
+        """
+        counted = reason
+        if reason == FinishReason.LENGTH.value and request.params.stop:
+            if request.final_reason is None:
+                request.count_pending = True  # counted by _count_pending_end
+            else:
+                counted = request.final_reason
+        if not request.count_pending:
+            self._count_end(request, counted)
         self.stats.end(request, reason, exc, time.monotonic())
         self.quotas.started(request)  # never started: it no longer counts as queued
         if request.holds_version:
             request.holds_version = False
             self.versions.done(request)
+
+    def _count_end(self, request: Request, reason: str) -> None:
+        key = (request.metric_label, reason)
+        self.finished_requests[key] = self.finished_requests.get(key, 0) + 1
+
+    def _count_pending_end(self, request: Request) -> None:
+        """A final output was made (the processor's "final" message): count the end _ended left pending."""
+        if request.count_pending:
+            request.count_pending = False
+            self._count_end(request, request.final_reason)
 
     def _all_finished(self, seq: Sequence) -> bool:
         """Whether the request is still held and every sample of it has finished (False once it has ended)."""

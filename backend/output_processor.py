@@ -45,10 +45,11 @@ class OutputProcessor:
     """Turns the loop's events into outputs; ``process`` inline, or ``submit`` to its own thread."""
 
     def __init__(self, tokenizer, stop_sequence: Callable[[Sequence], None],
-                 fail_request: Callable[[Request, Exception], None]):
+                 fail_request: Callable[[Request, Exception], None], final_made: Callable[[Request], None]):
         self.tokenizer = tokenizer
         self.stop_sequence = stop_sequence
         self.fail_request = fail_request
+        self.final_made = final_made  # told of each final output of a request with stop strings
         self.deliver: Callable[[list[RequestOutput]], None] | None = None  # the thread's consumer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -137,7 +138,7 @@ class OutputProcessor:
         request = event.request
         if request.output_ended:
             return  # it already had its final output
-        request.output_ended = True
+        self._ended(request, event.output.finish_reason)
         outputs.append(event.output)
 
     def _delta(self, outputs: list[RequestOutput], seq: Sequence, token: int | None, reason: FinishReason | None,
@@ -155,8 +156,17 @@ class OutputProcessor:
         if output.finished:
             seq.output_done = True
             request.open_samples -= 1
-            request.output_ended = request.open_samples <= 0
+            if request.open_samples <= 0:
+                self._ended(request, output.finish_reason)
         outputs.append(output)
+
+    def _ended(self, request: Request, finish_reason: str) -> None:
+        """The request's final output is made. A stop string can turn the loop's length end into a stop,
+        so the loop counts such a request's end by this reason (``final_made``)."""
+        request.final_reason = finish_reason
+        request.output_ended = True
+        if request.params.stop:
+            self.final_made(request)
 
     def _output(self, seq: Sequence, token: int | None, reason: FinishReason | None, cumulative: float,
                 logprobs: list | None) -> RequestOutput:

@@ -247,6 +247,8 @@ class Request:
     open_samples: int = 0  # samples without their final output yet (the output processor's)
     output_ended: bool = False  # its final output (or error) was made: anything later is dropped
     output_failing: bool = False  # its output failed: the loop sends its error, deltas are dropped
+    final_reason: str | None = None  # the finish reason its final output carried (the output processor's)
+    count_pending: bool = False  # its end is counted once the output processor has made its final output
 
 
 @dataclass(slots=True, eq=False)

@@ -12,6 +12,7 @@ import queue
 import time
 
 import pytest
+from loraplex.request import SamplingParams
 from test_containment import GOOD, MAX_TOKENS, assert_idle, collect, engine_factory, reference, request, run  # noqa: F401
 
 
@@ -78,6 +79,49 @@ def test_a_stop_string_ends_its_sample_once_with_the_text_cut_before_it(engine_f
         assert [o.finished for o in outputs[f"g{i}"]].count(True) == 1
     assert_idle(engine)
     assert engine.finished_requests.get(("default", "stop")) == 1
+
+
+def stopping(engine, rid: str, prompt: str, lora: str | None, stop: str, max_tokens: int = MAX_TOKENS):
+    """A greedy request with one stop string."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, lora_name=lora, stop=[stop])
+    return engine.make_request(rid, prompt, params)
+
+
+def test_a_stop_string_on_the_last_token_counts_its_request_as_a_stop(engine_factory):
+    # the loop ends the request by its length; the same token completes the stop string, so the final output
+    # says "stop", and request_finished_total must say so too
+    engine = engine_factory()
+    prompt, lora = GOOD[1]
+    text, _ = full_text(engine, prompt, lora)
+    stop = next(text[-k:] for k in range(3, len(text)) if text.find(text[-k:]) == len(text) - k and text[-k:].strip())
+    engine.add_request(stopping(engine, "last", prompt, lora, stop))  # the same MAX_TOKENS as the whole text
+    outs = run(engine, {})["last"]
+    assert outs[-1].finish_reason == "stop" and [o.finished for o in outs].count(True) == 1
+    assert engine.finished_requests == {("default", "length"): 1, ("default", "stop"): 1}  # "whole", then "last"
+    assert_idle(engine)
+
+
+def test_a_stop_string_the_output_thread_finds_after_the_loop_ended_the_request_counts_as_a_stop(engine_factory):
+    # the loop runs ahead of the output processor: it ends the request by its length a step before the
+    # processor reaches the token that completes the stop string
+    engine = engine_factory()
+    prompt, lora = GOOD[1]
+    text, _ = full_text(engine, prompt, lora)
+    stop, _ = stop_in(text)
+    engine.add_request(stopping(engine, "probe", prompt, lora, stop))
+    probe = run(engine, {})["probe"]
+    assert probe[-1].finish_reason == "stop"
+    engine.add_request(stopping(engine, "late", prompt, lora, stop, sum(len(o.token_ids) for o in probe) + 1))
+    pending, outs = [], []
+    while engine.has_work():
+        pending.append(engine.step_events())
+        if len(pending) > 1:  # the processor one step behind
+            outs += engine.processor.process(pending.pop(0))
+    outs += [o for events in pending for o in engine.processor.process(events)]
+    run(engine, {})  # the loop takes the processor's messages
+    assert outs[-1].finish_reason == "stop" and [o.finished for o in outs].count(True) == 1
+    assert engine.finished_requests == {("default", "length"): 1, ("default", "stop"): 2}  # whole; probe, late
+    assert_idle(engine)
 
 
 def test_a_stop_string_before_min_tokens_is_not_matched(engine_factory):
