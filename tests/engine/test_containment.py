@@ -48,7 +48,8 @@ def reference(demo):
 
 
 def request(engine: LLMEngine, rid: str, prompt: str, lora: str | None = None, **params):
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora_name=lora, **params)
+    sampling = SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "lora_name": lora,
+                                 **params})
     return engine.make_request(rid, prompt, sampling)
 
 

@@ -12,7 +12,6 @@ import queue
 import time
 
 import pytest
-from loraplex.request import SamplingParams
 from test_containment import GOOD, MAX_TOKENS, assert_idle, collect, engine_factory, reference, request, run  # noqa: F401
 
 
@@ -81,12 +80,6 @@ def test_a_stop_string_ends_its_sample_once_with_the_text_cut_before_it(engine_f
     assert engine.finished_requests.get(("default", "stop")) == 1
 
 
-def stopping(engine, rid: str, prompt: str, lora: str | None, stop: str, max_tokens: int = MAX_TOKENS):
-    """A greedy request with one stop string."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, lora_name=lora, stop=[stop])
-    return engine.make_request(rid, prompt, params)
-
-
 def test_a_stop_string_on_the_last_token_counts_its_request_as_a_stop(engine_factory):
     # the loop ends the request by its length; the same token completes the stop string, so the final output
     # says "stop", and request_finished_total must say so too
@@ -94,7 +87,7 @@ def test_a_stop_string_on_the_last_token_counts_its_request_as_a_stop(engine_fac
     prompt, lora = GOOD[1]
     text, _ = full_text(engine, prompt, lora)
     stop = next(text[-k:] for k in range(3, len(text)) if text.find(text[-k:]) == len(text) - k and text[-k:].strip())
-    engine.add_request(stopping(engine, "last", prompt, lora, stop))  # the same MAX_TOKENS as the whole text
+    engine.add_request(request(engine, "last", prompt, lora, stop=[stop]))  # as many tokens as the whole text
     outs = run(engine, {})["last"]
     assert outs[-1].finish_reason == "stop" and [o.finished for o in outs].count(True) == 1
     assert engine.finished_requests == {("default", "length"): 1, ("default", "stop"): 1}  # "whole", then "last"
@@ -108,10 +101,11 @@ def test_a_stop_string_the_output_thread_finds_after_the_loop_ended_the_request_
     prompt, lora = GOOD[1]
     text, _ = full_text(engine, prompt, lora)
     stop, _ = stop_in(text)
-    engine.add_request(stopping(engine, "probe", prompt, lora, stop))
+    engine.add_request(request(engine, "probe", prompt, lora, stop=[stop]))
     probe = run(engine, {})["probe"]
     assert probe[-1].finish_reason == "stop"
-    engine.add_request(stopping(engine, "late", prompt, lora, stop, sum(len(o.token_ids) for o in probe) + 1))
+    stops_after = sum(len(o.token_ids) for o in probe)  # tokens until the stop string is complete
+    engine.add_request(request(engine, "late", prompt, lora, stop=[stop], max_tokens=stops_after + 1))
     pending, outs = [], []
     while engine.has_work():
         pending.append(engine.step_events())
