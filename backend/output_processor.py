@@ -163,8 +163,7 @@ class OutputProcessor:
     def _ended(self, request: Request, finish_reason: str) -> None:
         """The request's final output is made. A stop string can turn the loop's length end into a stop,
         so the loop counts such a request's end by this reason (``final_made``)."""
-        request.final_reason = finish_reason
-        request.output_ended = True
+        request.final_reason = finish_reason  # request.output_ended from now on
         if request.params.stop:
             self.final_made(request)
 

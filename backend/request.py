@@ -245,10 +245,14 @@ class Request:
     token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
     wants_logprobs: bool = True  # its sampled tokens' logprobs are used (cumulative_logprob, logprobs)
     open_samples: int = 0  # samples without their final output yet (the output processor's)
-    output_ended: bool = False  # its final output (or error) was made: anything later is dropped
     output_failing: bool = False  # its output failed: the loop sends its error, deltas are dropped
     final_reason: str | None = None  # the finish reason its final output carried (the output processor's)
     count_pending: bool = False  # its end is counted once the output processor has made its final output
+
+    @property
+    def output_ended(self) -> bool:
+        """Its final output (or error) was made: anything later is dropped."""
+        return self.final_reason is not None
 
 
 @dataclass(slots=True, eq=False)
