@@ -9,11 +9,14 @@ concurrent HTTP `generate_stream` clients of one `loraplex-serve`. Both use the 
 engine knobs and, by default, torch threads (the server's choice: engine knob
 `cpu_threads`). Output tokens/s is the tokens generated over the wall
 time from the first request to the last token; the ratio Triton / in-process is measured
-within one run (issue 11's goal 3: at least 0.90), the two sides alternated `--repeats`
-times: the ratio of the best of each, and each pair's ratio (a run and the next) with their
-median, since this machine's speed drifts between runs. The server is started once, before the
-in-process engine is built, and stopped at the end; `--server-env K=V` sets environment
-variables of the server (e.g. OMP_WAIT_POLICY=PASSIVE) to compare launch settings.
+within one run (issue 11's goal 3: at least 0.90), the two sides alternated: `--repeats`
+Triton runs, each between two in-process runs (in, Triton, in, ..., Triton, in). Reported:
+the ratio of the best of each, and each Triton run against the mean of the in-process runs
+on either side of it (a steady drift of the machine's speed cancels out) with their median.
+This machine's speed drifts by up to 30% within ten seconds, more than what serving through
+Triton costs, so the bracketed median is the figure to read. The server is started once,
+before the in-process engine is built, and stopped at the end; `--server-env K=V` sets
+environment variables of the server (e.g. OMP_WAIT_POLICY=PASSIVE) to compare launch settings.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--streams", default="1,16", help="comma-separated concurrent request counts")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (greedy, ignore_eos)")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each side, alternated (in-process, Triton, in-process, ...); the best of each and each pair's ratio are reported")
+                    help="Triton runs, each between two in-process runs (in-process, Triton, in-process, ...)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads in-process (default: what the server picks, engine knob cpu_threads = 0)")
     ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
@@ -127,6 +130,11 @@ def in_process(engine, prompts: list[str], adapters: list[str], max_tokens: int,
     return produced / elapsed
 
 
+def bracketed_ratios(in_process_runs: list[float], triton_runs: list[float]) -> list[float]:
+    """Triton run k against the mean of the in-process runs k and k + 1, which ran just before and after it."""
+    return [t / ((a + b) / 2) for t, a, b in zip(triton_runs, in_process_runs, in_process_runs[1:])]
+
+
 def start_server(model_flags: list[str], engine_config: dict, work: Path, server_env: dict) -> Launcher:
     """`loraplex-serve` on free ports, with server_env added to the environment it starts with."""
     return Launcher(model_flags, engine_config, work / "store", work / "serve.log", server_env).start(ready_timeout=300)
@@ -165,18 +173,19 @@ def main(argv=None) -> int:
             rows = []
             for n in streams:
                 prompts = prompts_for(args.model, n)
-                pairs = [(in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"),
-                          through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
-                         for k in range(args.repeats)]
-                ours, triton = max(p[0] for p in pairs), max(p[1] for p in pairs)
-                pair_ratios = [t / o for o, t in pairs]  # each run next to its neighbour in time
-                rows.append({"streams": n, "in_process_tok_s": ours, "triton_tok_s": triton, "ratio": triton / ours,
-                             "pair_ratios": pair_ratios, "median_pair_ratio": statistics.median(pair_ratios)})
+                ours, triton = [in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-0")], []
+                for k in range(1, args.repeats + 1):
+                    triton.append(through_triton(launcher.http_url, prompts, adapters, args.max_tokens))
+                    ours.append(in_process(engine, prompts, adapters, args.max_tokens, f"n{n}-{k}"))
+                ratios = bracketed_ratios(ours, triton)
+                rows.append({"streams": n, "in_process_tok_s": max(ours), "triton_tok_s": max(triton),
+                             "ratio": max(triton) / max(ours), "in_process_runs": ours, "triton_runs": triton,
+                             "bracketed_ratios": ratios, "median_bracketed_ratio": statistics.median(ratios)})
                 print(f"streams {n:>3}, {torch.get_num_threads()} torch and {native_threads} native threads on both "
-                      f"sides: in-process "
-                      f"{ours:7.1f} tok/s, through Triton {triton:7.1f} tok/s, Triton / in-process {triton / ours:.2f}; "
-                      f"run by run {' '.join(f'{r:.2f}' for r in pair_ratios)}, "
-                      f"median {statistics.median(pair_ratios):.2f}", flush=True)
+                      f"sides: in-process {max(ours):7.1f} tok/s, through Triton {max(triton):7.1f} tok/s (best of "
+                      f"each), Triton / in-process {max(triton) / max(ours):.2f}; each Triton run against the "
+                      f"in-process runs around it {' '.join(f'{r:.2f}' for r in ratios)}, "
+                      f"median {statistics.median(ratios):.2f}", flush=True)
         finally:
             launcher.stop()
     if args.json_path:
