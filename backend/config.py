@@ -54,6 +54,7 @@ class EngineConfig:
     cpu_threads: int = 0  # torch CPU threads; 0 = auto (a server: CPUs - 1, unless OMP_NUM_THREADS is set)
     native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
     enforce_eager: bool = False  # CUDA: decode steps launch their kernels one by one instead of replaying CUDA graphs
+    stream_interval: int = 1  # served streams: a response carries at least this many new tokens (the first and last: any)
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,6 +90,7 @@ class EngineConfig:
             (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
             (self.cpu_threads >= 0, "cpu_threads must be >= 0 (0 = auto)"),
             (self.native_threads >= 0, "native_threads must be >= 0 (0 = auto)"),
+            (self.stream_interval >= 1, "stream_interval must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

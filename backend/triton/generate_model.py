@@ -50,7 +50,7 @@ class TritonPythonModel:
         self.ids = itertools.count()
         self.tenants = TenantResolver.from_env()
         self.engine = LLMEngine(config)
-        self.responder = Responder(pb_utils, self.engine.abort, self._decode_token)
+        self.responder = Responder(pb_utils, self.engine.abort, self._decode_token, config.stream_interval)
         self.engine.on_outputs = self.responder.push
         self.metrics = start_publisher(pb_utils, model_config, args["model_name"], args["model_version"], self.engine)
         self.responder.start()

@@ -1,7 +1,9 @@
 """The response thread: coalesces engine deltas per request and sends them via Triton senders.
 
 One send costs ~250 us in the Python backend, so every delta pending for a request goes
-out as one response; the engine loop never blocks on delivery.
+out as one response; the engine loop never blocks on delivery. With ``stream_interval`` N > 1
+a stream's response waits until it carries N new tokens (vLLM's ``--stream-interval``): the
+first response and the final one go out at once.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Pending:
     cumulative: list = field(default_factory=list)
     num_input_tokens: int = 0
     abort_requested: bool = False
+    streamed: bool = False  # a streamed response went out (the first is never held back)
 
     def __post_init__(self):
         self.reset_deltas()
@@ -56,8 +59,9 @@ class Pending:
 class Responder:
     """Owns the senders; turns RequestOutput deltas into Triton responses."""
 
-    def __init__(self, pb_utils, abort: callable, decode_token: callable):
+    def __init__(self, pb_utils, abort: callable, decode_token: callable, stream_interval: int = 1):
         self.pb = pb_utils
+        self.stream_interval = stream_interval
         self.abort = abort
         self.decode_token = decode_token
         self.pending: dict[str, Pending] = {}
@@ -173,7 +177,8 @@ class Responder:
         done = all(f is not None for f in p.finish)
         if not p.stream and not done:
             return
-        if p.stream and not any(p.texts) and not any(p.num_tokens) and not done:
+        if p.stream and not done and (not any(p.texts) and not any(p.num_tokens)
+                                      or p.streamed and max(p.num_tokens) < self.stream_interval):
             return
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0
         response = self._response(p, done)  # raising here ends the request with an error (see _contained)
@@ -188,6 +193,7 @@ class Responder:
             with self.lock:
                 self.pending.pop(request_id, None)
         else:
+            p.streamed = True
             p.reset_deltas()
 
     def _response(self, p: Pending, done: bool):
