@@ -177,8 +177,7 @@ class Responder:
         done = all(f is not None for f in p.finish)
         if not p.stream and not done:
             return
-        if p.stream and not done and (not any(p.texts) and not any(p.num_tokens)
-                                      or p.streamed and max(p.num_tokens) < self.stream_interval):
+        if p.stream and not done and self._holds(p):
             return
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0
         response = self._response(p, done)  # raising here ends the request with an error (see _contained)
@@ -195,6 +194,12 @@ class Responder:
         else:
             p.streamed = True
             p.reset_deltas()
+
+    def _holds(self, p: Pending) -> bool:
+        """A stream's next response waits: nothing new yet, or fewer than stream_interval tokens after its first."""
+        if not any(p.texts) and not any(p.num_tokens):
+            return True
+        return p.streamed and max(p.num_tokens) < self.stream_interval
 
     def _response(self, p: Pending, done: bool):
         pb = self.pb
