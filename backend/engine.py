@@ -510,11 +510,9 @@ class LLMEngine:
         carried, once that output is made.
         """
         counted = reason
-        if reason == FinishReason.LENGTH.value and request.params.stop:
-            if request.final_reason is None:
-                request.count_pending = True  # counted by _count_pending_end
-            else:
-                counted = request.final_reason
+        if reason == FinishReason.LENGTH.value and request.params.stop:  # a stop string may have ended it
+            counted = request.final_reason
+            request.count_pending = counted is None  # not made yet: counted by _count_pending_end
         if not request.count_pending:
             self._count_end(request, counted)
         self.stats.end(request, reason, exc, time.monotonic())
