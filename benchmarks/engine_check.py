@@ -6,8 +6,10 @@ Builds the offline demo (tiny random LLaMA, adapters demo-a and demo-b) in a tem
 serves 24 greedy requests (8 prompts x base / demo-a / demo-b) through `LLMEngine` in fp32
 on the device, adding them in three waves so they join a running batch, and compares
 every output with peft's `generate(do_sample=False)` on the CPU. Also reports the largest
-first-token logprob difference. Exit status 1 on any mismatch. For GPU sessions, where
-there is no Triton: this is the end-to-end check of the CUDA path (kernels included).
+first-token logprob difference, and on CUDA the synchronizing operations of every step
+(torch's sync debug mode; `cuda_syncs.py`): per step, and inside the forward. Exit status 1
+on any mismatch. For GPU sessions, where there is no Triton: this is the end-to-end check of
+the CUDA path (kernels included).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; tests/ holds the peft oracle
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]  # tests/ holds the peft oracle
 
 
 
@@ -37,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     from loraplex.config import EngineConfig
     from loraplex.demo import CHECK_PROMPTS, build_demo
     from loraplex.engine import LLMEngine
+    from loraplex.kernels.prefill_launch import DEFAULT_IMPL as PREFILL_DEFAULT
     from loraplex.request import SamplingParams
+    from cuda_syncs import SyncCounter
     from peft_reference import first_logits, greedy_tokens
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                                     multi_lora={k: v for k, v in adapters.items() if k}, enforce_eager=args.eager))
     jobs = [(f"{i}-{name}", prompt, name) for i, prompt in enumerate(CHECK_PROMPTS) for name in adapters]
     outputs: dict[str, list] = {}
+    syncs = SyncCounter(engine) if device == "cuda" else None  # goal 5: the forward never waits for the device
+    step = syncs.step if syncs else engine.step
     start = time.perf_counter()
     for wave in range(3):  # each wave joins the batch the previous one started
         for request_id, prompt, name in jobs[wave::3]:
@@ -55,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                 params["lora_name"] = name
             engine.add_request(engine.make_request(request_id, prompt, SamplingParams.from_dict(params)))
         for _ in range(4):
-            for out in engine.step():
+            for out in step():
                 outputs.setdefault(out.request_id, []).append(out)
     while engine.has_work():
-        for out in engine.step():
+        for out in step():
             outputs.setdefault(out.request_id, []).append(out)
     seconds = time.perf_counter() - start
     matched, worst_logprob = 0, 0.0
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "requests": len(jobs), "matched": matched, "max_first_logprob_diff": worst_logprob,
               "engine_seconds": seconds, "steps": engine.num_steps,
-              "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "replays": graphs.replays}}
+              "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "replays": graphs.replays},
+              "prefill_attention": PREFILL_DEFAULT if device == "cuda" else None,
+              "syncs": syncs.summary() if syncs else None}
     print(json.dumps(result, indent=2))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")

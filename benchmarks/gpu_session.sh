@@ -1,23 +1,63 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (no Triton, no network there): install the checkout
-# offline, then kernel numerics + bandwidth, the engine vs transformers+peft on CUDA, and the
-# multi-LoRA throughput. Everything lands in $OUT. Usage (device tool): bash benchmarks/gpu_session.sh
+# offline, then the engine vs transformers+peft on CUDA (decode graphs, eager, the tiled prefill
+# kernel; syncs per step counted), kernel numerics + bandwidth, the loop's host time per step and
+# the multi-LoRA throughput. Stages run in order of importance under one deadline (SESSION_S,
+# default 480 s): a stage gets at most its own cap and what is left; one that fails or times out
+# does not stop the rest. $OUT gets two files, both kept current after every stage (the device
+# tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
+# output and JSON). Usage (device tool): SESSION_S=480 bash benchmarks/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/loraplex-gpu-out}
+WORK=$(mktemp -d /tmp/loraplex-gpu-XXXX)
+DEADLINE=$(( $(date +%s) + ${SESSION_S:-480} ))
 mkdir -p "$OUT"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || echo "install failed (see install.log)"
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  echo "exit $?" >> "$OUT/$name.txt"
-  tail -n 25 "$OUT/$name.txt"
+exec > >(tee -a "$OUT/session.log") 2>&1
+export PYTHONUNBUFFERED=1
+bundle() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
+
+nvidia-smi > "$WORK/nvidia-smi.txt" 2>&1
+python3 -m pip install --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || echo "install failed (see install.log)"
+if ! python3 -c "import loraplex.engine" 2>> "$WORK/install.log"; then  # the engine needs no loraplex.clients
+  mkdir -p "$WORK/src" && ln -sfn "$PWD/backend" "$WORK/src/loraplex"
+  export PYTHONPATH="$WORK/src${PYTHONPATH:+:$PYTHONPATH}"
+  echo "editable install unusable: importing loraplex from $WORK/src (a link to backend/)"
+fi
+python3 - <<'EOF' 2>&1 | tee "$WORK/versions.txt"
+import importlib, platform
+print("python", platform.python_version())
+for name in ("torch", "numpy", "cupy", "transformers", "peft", "loraplex"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
+    except Exception as err:
+        print(name, "unavailable:", err)
+import torch
+print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
+EOF
+bundle
+
+run() {  # name, cap in seconds, command...
+  local name=$1 cap=$2 left=$(( DEADLINE - $(date +%s) )); shift 2
+  (( left < cap )) && cap=$left
+  if (( cap < 15 )); then echo "=== $name skipped: ${left}s left"; return; fi
+  echo "=== $name (at most ${cap}s)"
+  local start=$(date +%s)
+  timeout "$cap" "$@" > "$WORK/$name.txt" 2>&1
+  echo "exit $? after $(( $(date +%s) - start ))s" >> "$WORK/$name.txt"
+  tail -n 30 "$WORK/$name.txt"
+  bundle
 }
-run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$OUT/engine_check.json"
-run engine_check_eager 70 python3 benchmarks/engine_check.py --device cuda --eager --json "$OUT/engine_check_eager.json"
-run gpu_kernels 220 python3 benchmarks/gpu_kernels.py --budget-s 160 --out "$OUT/gpu_kernels.json"
+run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check.json"
+run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
+    --ranks 16 64 --out "$WORK/gpu_kernels.json"
+run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"
+run engine_check_prefill_kernel 60 env LORAPLEX_PREFILL_ATTENTION=kernel \
+    python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check_prefill_kernel.json"
 run step_host_time 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30
 run step_host_time_eager 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30 --eager
 run lora_throughput 100 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
-    --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --json "$OUT/lora_throughput.json"
+    --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --adapters 8,32 --repeats 1 \
+    --json "$WORK/lora_throughput.json"
+echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"
+sleep 1  # let tee write the last lines before the tool collects $OUT
