@@ -84,17 +84,25 @@ class DecodeGraphs:
 
     def _check_replay(self, model, kv_cache: torch.Tensor) -> None:
         """The largest graph replayed on inputs it was not captured with equals the eager forward on them: a
-        kernel that ran at capture instead of joining the graph would leave its capture-time values. Raises
-        RuntimeError otherwise. The buffers are reset after (no K/V is written: every slot is -1)."""
-        size = self.sizes[-1]
-        self.input_ids[:size].copy_(torch.arange(size, device=self.input_ids.device) % model.vocab_size)
-        self.positions[:size].copy_(torch.arange(size, device=self.positions.device) % model.max_len)
+        step-dependent value computed at capture instead of inside the graph (a memo, a host read) would be
+        replayed as a constant. Row r sits at position r % block_size of its own block, so it writes its K/V,
+        rotates by a position of its own and attends to the keys its block holds so far (rows past the cache's
+        slots write nothing). Raises RuntimeError on a difference. The buffers are reset after."""
+        size, (num_blocks, block_size) = self.sizes[-1], kv_cache.shape[2:4]
+        rows = torch.arange(size, device=self.input_ids.device)
+        fits = rows < num_blocks * block_size
+        self.input_ids[:size].copy_(rows % model.vocab_size)
+        self.positions[:size].copy_(rows % block_size)
+        self.slot_mapping[:size].copy_(torch.where(fits, rows, -1))
+        self.block_tables[:size, 0].copy_(torch.where(fits, rows // block_size, 0))
+        self.context_lens[:size].copy_(torch.where(fits, rows % block_size + 1, 1))
         replay, output = self.graphs[size, False]
         replay()
         want = self._forward_of(model, kv_cache, size, False)()
         same = torch.allclose(output.float(), want.float(), rtol=1e-3, atol=1e-3)
-        self.input_ids.zero_()
-        self.positions.zero_()
+        for buffer, value in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1),
+                              (self.block_tables, 0), (self.context_lens, 1)):
+            buffer.fill_(value)
         if not same:
             raise RuntimeError("a decode graph's replay differs from the eager forward")
 

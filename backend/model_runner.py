@@ -250,7 +250,7 @@ class ModelRunner:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""
         array = values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
         tensor = torch.from_numpy(array)
-        return tensor if self._on_cpu else tensor.to(self.device)
+        return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)  # no wait for the device
 
 
 def _adapter_slots(seqs) -> np.ndarray | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -77,22 +78,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int] | torch.Tensor,
                    top_n: list[int | None]) -> tuple[list[float], list]:
-    """Log-probability of each chosen token, and the top-n candidates per row (None: not asked)."""
+    """Log-probability of each chosen token, and the top-n candidates per row (None: not asked). Everything is
+    computed where the logits are and read back in one transfer (on CUDA: one wait for the device)."""
     if isinstance(tokens, torch.Tensor):
         ids = tokens[:, None]
     else:
         ids = torch.tensor(tokens, device=logits.device)[:, None]
     norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen_logits = logits.gather(1, ids)
-    chosen = (chosen_logits - norm).squeeze(1).tolist()
-    tops: list = [None] * len(chosen)
+    parts = [(chosen_logits - norm).squeeze(1)]
     asked = [r for r, n in enumerate(top_n) if n is not None]
+    k = max((top_n[r] for r in asked), default=0)
     if asked:
-        token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-        values, top_ids = torch.topk(logits[asked], max(top_n[r] for r in asked), dim=-1)  # k = 0: empty
-        top_logp, top_ids = (values - norm[asked]).tolist(), top_ids.tolist()
-        ranks = ((logits[asked] > chosen_logits[asked]).sum(-1) + 1).tolist()
+        index = torch.from_numpy(np.asarray(asked, np.int64)).to(logits.device, non_blocking=True)
+        rows = logits.index_select(0, index)
+        values, top_ids = torch.topk(rows, k, dim=-1)  # k = 0: empty
+        ranks = (rows > chosen_logits.index_select(0, index)).sum(-1) + 1
+        parts += [ids.squeeze(1), (values - norm.index_select(0, index)).flatten(), top_ids.flatten(), ranks]
+    flat = torch.cat([p.double() for p in parts]).tolist()  # ids, ranks < 2**53: exact as float64
+    batch, width = len(top_n), len(asked) * k
+    chosen, tops = flat[:batch], [None] * batch
+    if asked:
+        token_ids, top_logp = flat[batch: 2 * batch], flat[2 * batch: 2 * batch + width]
+        top_ids, ranks = flat[2 * batch + width: 2 * batch + 2 * width], flat[2 * batch + 2 * width:]
         for j, r in enumerate(asked):
-            top = list(zip(top_ids[j][: top_n[r]], top_logp[j][: top_n[r]]))
-            tops[r] = {"token": (token_list[r], chosen[r], ranks[j]), "top": top}
+            top = [(int(top_ids[j * k + i]), top_logp[j * k + i]) for i in range(top_n[r])]
+            tops[r] = {"token": (int(token_ids[r]), chosen[r], int(ranks[j])), "top": top}
     return chosen, tops

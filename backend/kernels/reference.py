@@ -40,19 +40,29 @@ class PerStepMemo:
 
     Keyed by the tensor's identity and version (it holds the tensor, so the identity cannot be
     reused while cached; inference tensors have no version, and the runner never changes a
-    step's slots) and by the values of the other inputs; a new tensor starts afresh.
+    step's slots) and by the values of the other inputs; a new tensor starts afresh. While a
+    CUDA graph is captured nothing is reused: the graph must compute it itself, since its static
+    inputs change in place between replays (a result reused from the eager warm-up would be
+    replayed as a constant).
     """
 
     def __init__(self):
         self.tensor, self.version, self.results = None, None, {}
 
     def get(self, tensor, key, compute):
+        if _capturing(tensor):
+            return compute()
         version = None if tensor.is_inference() else tensor._version  # inference tensors keep no version
         if tensor is not self.tensor or version != self.version:
             self.tensor, self.version, self.results = tensor, version, {}
         if key not in self.results:
             self.results[key] = compute()
         return self.results[key]
+
+
+def _capturing(tensor) -> bool:
+    """Whether tensor's CUDA stream is being captured into a graph."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 _TILES, _SEGMENT_SLOTS, _DECODE_LAYOUTS, _WRITE_ROWS = PerStepMemo(), PerStepMemo(), PerStepMemo(), PerStepMemo()

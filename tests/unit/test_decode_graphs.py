@@ -24,6 +24,9 @@ class Model:
         return torch.stack([input_ids, attn.positions], dim=1).float()
 
 
+KV_CACHE = torch.zeros(1, 2, 2, 4, 1, 8)  # [layers, K/V, blocks, block size, heads, head dim]: 8 slots
+
+
 def rerun(forward):
     """A stand-in for CUDA graph capture: the replay reruns the forward into the static output."""
     output = forward().clone()
@@ -32,7 +35,7 @@ def rerun(forward):
 
 def test_a_step_replays_the_smallest_graph_that_holds_it():
     """Without LoRA stacks only the graphs without adapters are captured."""
-    graphs = DecodeGraphs(Model(), None, [1, 2, 4, 8], max_blocks_per_seq=4, capture=rerun)
+    graphs = DecodeGraphs(Model(), KV_CACHE, [1, 2, 4, 8], max_blocks_per_seq=4, capture=rerun)
     assert [graphs.size_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert {key: len(output) for key, (_, output) in graphs.graphs.items()} == {(1, False): 1, (2, False): 2,
                                                                                  (4, False): 4, (8, False): 8}
@@ -45,8 +48,8 @@ def test_a_replay_that_differs_from_the_eager_forward_is_refused():
         return (lambda: None), output
 
     with pytest.raises(RuntimeError, match="differs from the eager forward"):
-        DecodeGraphs(Model(), None, [1, 2, 4], max_blocks_per_seq=4, capture=frozen)
-    graphs = DecodeGraphs(Model(), None, [1, 2, 4], max_blocks_per_seq=4, capture=rerun)
+        DecodeGraphs(Model(), KV_CACHE, [1, 2, 4], max_blocks_per_seq=4, capture=frozen)
+    graphs = DecodeGraphs(Model(), KV_CACHE, [1, 2, 4], max_blocks_per_seq=4, capture=rerun)
     assert int(graphs.input_ids.abs().sum()) == 0 and int(graphs.positions.abs().sum()) == 0  # reset after
 
 
@@ -56,5 +59,17 @@ def test_a_failed_capture_leaves_decode_eager(caplog):
             raise RuntimeError("no graphs here")
 
     with caplog.at_level(logging.WARNING, logger="loraplex.graphs"):
-        assert build_decode_graphs(Broken(), None, max_num_seqs=4, max_model_len=64, block_size=16) is None
+        assert build_decode_graphs(Broken(), KV_CACHE, max_num_seqs=4, max_model_len=64, block_size=16) is None
     assert "decode steps run eagerly" in caplog.text
+
+
+def test_a_memo_computes_afresh_while_a_graph_is_captured(monkeypatch):
+    """A step-derived value memoized in the eager warm-up would be replayed as a constant: during capture
+    PerStepMemo computes every time (CUDA only; here the capture is said to run)."""
+    from loraplex.kernels import reference
+
+    memo, calls, positions = reference.PerStepMemo(), [], torch.arange(4)
+    compute = lambda: calls.append(1) or len(calls)  # noqa: E731
+    assert memo.get(positions, (), compute) == memo.get(positions, (), compute) == 1
+    monkeypatch.setattr(reference, "_capturing", lambda tensor: True)
+    assert memo.get(positions, (), compute) == 2 and memo.get(positions, (), compute) == 3
