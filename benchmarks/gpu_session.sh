@@ -6,7 +6,8 @@
 # default 480 s): a stage gets at most its own cap and what is left; one that fails or times out
 # does not stop the rest. $OUT gets two files, both kept current after every stage (the device
 # tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
-# output and JSON). Usage (device tool): SESSION_S=480 bash benchmarks/gpu_session.sh
+# output and JSON). STAGES (names, space-separated) runs only those stages.
+# Usage (device tool): SESSION_S=480 [STAGES="engine_check gpu_kernels"] bash benchmarks/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/loraplex-gpu-out}
 WORK=$(mktemp -d /tmp/loraplex-gpu-XXXX)
@@ -39,6 +40,7 @@ bundle
 
 run() {  # name, cap in seconds, command...
   local name=$1 cap=$2 left=$(( DEADLINE - $(date +%s) )); shift 2
+  [[ -n ${STAGES:-} && " $STAGES " != *" $name "* ]] && return
   (( left < cap )) && cap=$left
   if (( cap < 15 )); then echo "=== $name skipped: ${left}s left"; return; fi
   echo "=== $name (at most ${cap}s)"
@@ -55,8 +57,9 @@ run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eag
 run engine_check_prefill_kernel 60 env LORAPLEX_PREFILL_ATTENTION=kernel \
     python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check_prefill_kernel.json"
 run step_host_time 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30
+run step_host_time_profile 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30 --profile
 run step_host_time_eager 45 python3 benchmarks/step_host_time.py --seqs 256 --steps 30 --eager
-run lora_throughput 100 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
+run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
     --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --adapters 8,32 --repeats 1 \
     --json "$WORK/lora_throughput.json"
 echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"

@@ -76,14 +76,16 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_len
             seqs = plan.decode_seqs
             plan.decode_inputs = (block_tables[seqs.to(block_tables.device)], context_lens[seqs.to(context_lens.device)])
         out[plan.decode_rows] = paged_attention_decode(q[plan.decode_rows], k_cache, v_cache, *plan.decode_inputs, scale)
-    gqa = q.shape[1] != k_cache.shape[2]
+    group = q.shape[1] // k_cache.shape[2]
     for lo, hi, n, b in plan.prefills:
         k = gather_context(k_cache, block_tables[b], n).transpose(0, 1)
         v = gather_context(v_cache, block_tables[b], n).transpose(0, 1)
+        if group > 1:  # a K/V head per query head: the fused kernels (flash, memory-efficient) take no GQA here
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         qb = q[lo:hi].transpose(0, 1)
-        mask = causal_lower_right(hi - lo, n)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[lo:hi] = o.transpose(0, 1)
+        causal = {"is_causal": True} if hi - lo == n else {"attn_mask": causal_lower_right(hi - lo, n)}
+        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], scale=scale, **causal)  # 4-D, as they need
+        out[lo:hi] = o[0].transpose(0, 1)
     return out
 
 
