@@ -96,8 +96,8 @@ class LoraSlots:
             if r:
                 self.targets[slot][(layer, module)] = (r, float(scale))
         self.slot_ranks[slot] = max((r for r, _scale in self.targets[slot].values()), default=0)
-        self._ranks[:, :, slot].copy_(ranks)
-        self._scales[:, :, slot].copy_(scales)
+        self._ranks[:, :, slot].copy_(ranks, non_blocking=True)  # staged at once: the host never waits
+        self._scales[:, :, slot].copy_(scales, non_blocking=True)
 
     def _on_device(self, adapter: LoraAdapter):
         """The adapter's (A, B) pairs on the slots' device: on CUDA through one packed host-to-device copy."""
