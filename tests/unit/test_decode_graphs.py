@@ -63,13 +63,21 @@ def test_a_failed_capture_leaves_decode_eager(caplog):
     assert "decode steps run eagerly" in caplog.text
 
 
-def test_a_memo_computes_afresh_while_a_graph_is_captured(monkeypatch):
-    """A step-derived value memoized in the eager warm-up would be replayed as a constant: during capture
-    PerStepMemo computes every time (CUDA only; here the capture is said to run)."""
+def test_a_value_memoized_before_the_capture_is_caught_and_no_memo_is_reused_in_one(monkeypatch):
+    """The first GPU run's bug: the RoPE rows of the static positions buffer, memoized by the tensor's identity
+    in the eager warm-up, were replayed as constants. The replay check catches such a model; with PerStepMemo
+    computing afresh during capture (CUDA only; here the capture is said to run) it passes."""
     from loraplex.kernels import reference
 
-    memo, calls, positions = reference.PerStepMemo(), [], torch.arange(4)
-    compute = lambda: calls.append(1) or len(calls)  # noqa: E731
-    assert memo.get(positions, (), compute) == memo.get(positions, (), compute) == 1
-    monkeypatch.setattr(reference, "_capturing", lambda tensor: True)
-    assert memo.get(positions, (), compute) == 2 and memo.get(positions, (), compute) == 3
+    class Memoizing(Model):
+        memo = reference.PerStepMemo()
+
+        def forward(self, input_ids, attn, kv_cache, lora):
+            rows = self.memo.get(attn.positions, (), lambda: attn.positions.clone())
+            return torch.stack([input_ids, rows], dim=1).float()
+
+    with torch.inference_mode():  # as the engine builds them: inference tensors keep no version to spot a write
+        with pytest.raises(RuntimeError, match="differs from the eager forward"):
+            DecodeGraphs(Memoizing(), KV_CACHE, [4], max_blocks_per_seq=4, capture=rerun)  # the memo keeps size 4's
+        monkeypatch.setattr(reference, "_capturing", lambda tensor: True)
+        DecodeGraphs(Memoizing(), KV_CACHE, [4], max_blocks_per_seq=4, capture=rerun)
