@@ -6,7 +6,8 @@ Runs in-process on one CUDA device (no Triton). Sections:
      default to use);
   3. paged-attention decode at 7B-class shapes: achieved memory bandwidth as a fraction
      of the device peak, and time vs gather + torch SDPA;
-  4. BGMV shrink + expand (hidden 4096, ranks 8-64): bandwidth and time vs gather + bmm.
+  4. BGMV shrink + expand (hidden 4096, ranks 8-64): bandwidth and time vs gather + bmm, at
+     every instantiated tile (tokens per block: which default to use).
 Prints a table per section; writes JSON to --out, or to $OUT/gpu_kernels.json when $OUT
 is set. Stops adding measurements once --budget-s seconds have passed (default 240).
 Usage: python benchmarks/gpu_kernels.py [--quick]
@@ -208,6 +209,7 @@ def paged(shape: DecodeShape, dtype, contexts, device="cuda"):
 def numerics(dtypes) -> list[dict]:
     """Max abs error of every kernel vs the reference, each dtype; small varied shapes."""
     from loraplex.kernels import cache_launch, decode_launch, lora_launch, prefill_launch, reference
+    from loraplex.kernels.instances import BGMV_TILES
 
     rows = []
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
@@ -227,9 +229,11 @@ def numerics(dtypes) -> list[dict]:
         slots = torch.randint(-1, 4, (37,), generator=g, device="cuda", dtype=torch.int32)
         x, y, vv = rn(37, 512), rn(37, 384), rn(37, 64)
         want = reference.lora_shrink_bgmv(x, a, slots, ranks)
-        record("shrink_bgmv", dtype, lora_launch.lora_shrink_bgmv(x, a, slots, ranks), want)
-        record("expand_bgmv", dtype, lora_launch.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales),
-               reference.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales))
+        want_y = reference.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales)
+        for tile in BGMV_TILES:
+            record(f"shrink_bgmv tile={tile}", dtype, lora_launch.lora_shrink_bgmv(x, a, slots, ranks, tile=tile), want)
+            record(f"expand_bgmv tile={tile}", dtype,
+                   lora_launch.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales, tile=tile), want_y)
         starts = torch.tensor([0, 10, 10, 30, 37], dtype=torch.int32, device="cuda")
         seg = torch.tensor([2, 0, -1, 3], dtype=torch.int32, device="cuda")
         want = reference.lora_shrink_sgmv(x, a, starts, seg, ranks)
@@ -301,8 +305,10 @@ def bench_decode(shapes, dtype, timer, peak, deadline) -> list[dict]:
 
 
 def bench_bgmv(shapes, dtype, timer, peak, deadline) -> list[dict]:
-    """BGMV shrink + expand bandwidth and time vs gather + bmm (padded to the max rank)."""
+    """BGMV shrink + expand bandwidth and time vs gather + bmm (padded to the max rank); kernel_ms at the default
+    tile (tokens per block), tile<N>_ms at the other instantiated tiles (random slots: runs of one are the rule)."""
     from loraplex.kernels import lora_launch
+    from loraplex.kernels.instances import BGMV_TILES
 
     rows = []
     for s in shapes:
@@ -317,9 +323,9 @@ def bench_bgmv(shapes, dtype, timer, peak, deadline) -> list[dict]:
         x = torch.randn(s.batch, s.hidden, device="cuda", dtype=dtype)
         y = torch.zeros(s.batch, s.hidden, device="cuda", dtype=dtype)
 
-        def kernel():
-            v = lora_launch.lora_shrink_bgmv(x, a, slots, ranks)
-            lora_launch.lora_expand_bgmv(y, v, b, slots, ranks, scales)
+        def kernel(tile=lora_launch.BGMV_TILE):
+            v = lora_launch.lora_shrink_bgmv(x, a, slots, ranks, tile=tile)
+            lora_launch.lora_expand_bgmv(y, v, b, slots, ranks, scales, tile=tile)
 
         def baseline():
             idx = slots.long()
@@ -327,12 +333,14 @@ def bench_bgmv(shapes, dtype, timer, peak, deadline) -> list[dict]:
             y.add_(torch.bmm(b[idx], v).squeeze(2))
 
         kernel_ms = timer.ms(kernel)
+        tile_ms = {tile: timer.ms(lambda: kernel(tile)) for tile in BGMV_TILES if tile != lora_launch.BGMV_TILE}
         base_ms = timer.ms(baseline)
         used = sorted(set(slots.tolist()))
         gbs = bgmv_bytes(s, used, x.element_size()) / (kernel_ms * 1e-3) / 1e9
         rank_label = str(s.ranks[0]) if len(set(s.ranks)) == 1 else "mixed " + "/".join(map(str, sorted(set(s.ranks))))
         rows.append({"batch": s.batch, "ranks": rank_label, "hidden": s.hidden, "kernel_ms": kernel_ms,
-                     "torch_ms": base_ms, "speedup": base_ms / kernel_ms, "gbs": gbs, "peak_fraction": gbs / peak})
+                     **{f"tile{tile}_ms": ms for tile, ms in tile_ms.items()}, "torch_ms": base_ms,
+                     "speedup": base_ms / kernel_ms, "gbs": gbs, "peak_fraction": gbs / peak})
     return rows
 
 

@@ -13,6 +13,7 @@ HEAD_DIMS = (32, 64, 128, 256)
 QUERIES_PER_BLOCK = (1, 2, 4, 8)
 COPY_UNITS = {2: "unsigned short", 4: "unsigned int", 16: "lp_u128"}
 INDEX_TYPES = {torch.int32: "int", torch.int64: "long long"}
+BGMV_TILES = (4, 1)  # tokens per block of the BGMV kernels: 4 the default; gpu_kernels.py measures 1 beside it
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +33,10 @@ def c_type(dtype: torch.dtype) -> str:
         raise TypeError(f"unsupported kernel dtype {dtype}") from None
 
 
-def lora_name(kernel: str, dtype: torch.dtype, vec: int) -> str:
-    """Name expression of a LoRA kernel (shrink_bgmv, shrink_sgmv, expand_bgmv, expand_sgmv)."""
-    return f"{kernel}<{c_type(dtype)}, {vec}>"
+def lora_name(kernel: str, dtype: torch.dtype, vec: int, tile: int | None = None) -> str:
+    """Name expression of a LoRA kernel (shrink_bgmv, shrink_sgmv, expand_bgmv, expand_sgmv); the BGMV
+    kernels also take their tile (tokens per block, one of BGMV_TILES)."""
+    return f"{kernel}<{c_type(dtype)}, {vec}{'' if tile is None else f', {tile}'}>"
 
 
 def decode_name(dtype: torch.dtype, head_dim: int, queries_per_block: int) -> str:
@@ -60,9 +62,10 @@ def cache_name(kernel: str, unit_bytes: int, index_dtype: torch.dtype) -> str:
 def _lora() -> tuple[str, ...]:
     kernels = ("shrink_bgmv", "shrink_sgmv", "expand_bgmv", "expand_sgmv")
     return tuple(
-        lora_name(k, dt, vec)
+        lora_name(k, dt, vec, tile)
         for k, dt in itertools.product(kernels, C_TYPES)
         for vec in (1, VEC_WIDTH[C_TYPES[dt]])
+        for tile in (BGMV_TILES if k.endswith("bgmv") else (None,))
     )
 
 

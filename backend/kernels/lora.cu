@@ -14,7 +14,7 @@ namespace lora {
 constexpr int kShrinkWarps = 4;      // one rank row per warp
 constexpr int kExpandThreads = 128;  // one output column per thread
 constexpr int kRankChunk = 64;       // rank entries of v staged in shared memory at once
-constexpr int kBgmvTile = 4;         // tokens per block, BGMV
+constexpr int kBgmvTile = 4;         // tokens per block, BGMV, by default (1 is instantiated too)
 constexpr int kSgmvTile = 16;        // tokens per block, SGMV
 }  // namespace lora
 
@@ -166,13 +166,13 @@ __device__ void expand_tile(T* y, const T* v, const T* b, const int* ranks, cons
   }
 }
 
-// grid (ceil(T / kBgmvTile), ceil(R / kShrinkWarps)), block 32 * kShrinkWarps.
-template <typename T, int VEC>
+// grid (ceil(T / TILE), ceil(R / kShrinkWarps)), block 32 * kShrinkWarps. TILE 1: one pass over
+// h_in a warp, four times the blocks; TILE 4: a run of equal slots shares each A row read.
+template <typename T, int VEC, int TILE = lora::kBgmvTile>
 __global__ void __launch_bounds__(32 * lora::kShrinkWarps)
     shrink_bgmv(T* out, const T* x, const T* a, const int* ranks, const int* token_slots,
                 int num_tokens, int h_in, int max_rank) {
-  shrink_tile<T, VEC, lora::kBgmvTile>(out, x, a, ranks, TokenSlots{token_slots}, num_tokens,
-                                       h_in, max_rank);
+  shrink_tile<T, VEC, TILE>(out, x, a, ranks, TokenSlots{token_slots}, num_tokens, h_in, max_rank);
 }
 
 // grid (ceil(T / kSgmvTile), ceil(R / kShrinkWarps)), block 32 * kShrinkWarps.
@@ -185,13 +185,13 @@ __global__ void __launch_bounds__(32 * lora::kShrinkWarps)
                                        num_tokens, h_in, max_rank);
 }
 
-// grid (ceil(T / kBgmvTile), ceil(h_out / kExpandThreads)), block kExpandThreads.
-template <typename T, int VEC>
+// grid (ceil(T / TILE), ceil(h_out / kExpandThreads)), block kExpandThreads.
+template <typename T, int VEC, int TILE = lora::kBgmvTile>
 __global__ void __launch_bounds__(lora::kExpandThreads)
     expand_bgmv(T* y, const T* v, const T* b, const int* ranks, const float* scales,
                 const int* token_slots, int num_tokens, int h_out, int max_rank, int v_cols) {
-  expand_tile<T, VEC, lora::kBgmvTile>(y, v, b, ranks, scales, TokenSlots{token_slots},
-                                       num_tokens, h_out, max_rank, v_cols);
+  expand_tile<T, VEC, TILE>(y, v, b, ranks, scales, TokenSlots{token_slots}, num_tokens, h_out,
+                            max_rank, v_cols);
 }
 
 // grid (ceil(T / kSgmvTile), ceil(h_out / kExpandThreads)), block kExpandThreads.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import lora_name
+from .instances import BGMV_TILES, lora_name
 from .launch_args import ceil_div, float32_on, int32_on, same_dtype, vector_width
 from .runners import runner_for
 
@@ -16,9 +16,10 @@ BGMV_TILE = 4
 SGMV_TILE = 16
 
 
-def lora_shrink_bgmv(x, a_stack, token_slots, ranks, *, runner=None):
-    """Per-row gather shrink: out[t, :rank] = x[t] @ A[slot[t], :rank].T; zeros elsewhere."""
-    return _shrink("shrink_bgmv", BGMV_TILE, x, a_stack, ranks, [int32_on(token_slots, x.device)], runner)
+def lora_shrink_bgmv(x, a_stack, token_slots, ranks, *, runner=None, tile=BGMV_TILE):
+    """Per-row gather shrink: out[t, :rank] = x[t] @ A[slot[t], :rank].T; zeros elsewhere. tile: tokens per
+    block, one of instances.BGMV_TILES."""
+    return _shrink("shrink_bgmv", tile, x, a_stack, ranks, [int32_on(token_slots, x.device)], runner)
 
 
 def lora_shrink_sgmv(x, a_stack, seg_starts, seg_slots, ranks, *, runner=None):
@@ -27,15 +28,25 @@ def lora_shrink_sgmv(x, a_stack, seg_starts, seg_slots, ranks, *, runner=None):
     return _shrink("shrink_sgmv", SGMV_TILE, x, a_stack, ranks, segs, runner)
 
 
-def lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales, *, runner=None):
-    """Per-row gather expand, in place: y[t] += scale[slot] * v[t, :rank] @ B[slot, :, :rank].T."""
-    return _expand("expand_bgmv", BGMV_TILE, y, v, b_stack, ranks, scales, [int32_on(token_slots, y.device)], runner)
+def lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales, *, runner=None, tile=BGMV_TILE):
+    """Per-row gather expand, in place: y[t] += scale[slot] * v[t, :rank] @ B[slot, :, :rank].T. tile: tokens per
+    block, one of instances.BGMV_TILES."""
+    return _expand("expand_bgmv", tile, y, v, b_stack, ranks, scales, [int32_on(token_slots, y.device)], runner)
 
 
 def lora_expand_sgmv(y, v, b_stack, seg_starts, seg_slots, ranks, scales, *, runner=None):
     """Segmented expand, in place: y[seg] += scale * v[seg, :rank] @ B[slot, :, :rank].T."""
     segs = _segment_args(seg_starts, seg_slots, y.device)
     return _expand("expand_sgmv", SGMV_TILE, y, v, b_stack, ranks, scales, segs, runner)
+
+
+def _bgmv_tile(kernel: str, tile: int) -> int | None:
+    """The tile a BGMV kernel's name carries (None for SGMV); ValueError for one not instantiated."""
+    if not kernel.endswith("bgmv"):
+        return None
+    if tile not in BGMV_TILES:
+        raise ValueError(f"BGMV tile {tile} not instantiated (one of {BGMV_TILES})")
+    return tile
 
 
 def _segment_args(seg_starts, seg_slots, device):
@@ -55,7 +66,8 @@ def _shrink(kernel, tile, x, a_stack, ranks, slot_args, runner):
     grid = (ceil_div(num_tokens, tile), ceil_div(max_rank, SHRINK_WARPS), 1)
     args = [out, x, a_stack, int32_on(ranks, x.device), *slot_args]
     args += [np.int32(num_tokens), np.int32(h_in), np.int32(max_rank)]
-    (runner or runner_for(x)).launch("lora", lora_name(kernel, dtype, vec), grid, (32 * SHRINK_WARPS, 1, 1), args)
+    name = lora_name(kernel, dtype, vec, _bgmv_tile(kernel, tile))
+    (runner or runner_for(x)).launch("lora", name, grid, (32 * SHRINK_WARPS, 1, 1), args)
     return out
 
 
@@ -72,7 +84,8 @@ def _expand(kernel, tile, y, v, b_stack, ranks, scales, slot_args, runner):
     grid = (ceil_div(num_tokens, tile), ceil_div(h_out, EXPAND_THREADS), 1)
     args = [target, v, b_stack, int32_on(ranks, y.device), float32_on(scales, y.device), *slot_args]
     args += [np.int32(num_tokens), np.int32(h_out), np.int32(max_rank), np.int32(v.shape[1])]
-    (runner or runner_for(y)).launch("lora", lora_name(kernel, dtype, vec), grid, (EXPAND_THREADS, 1, 1), args)
+    name = lora_name(kernel, dtype, vec, _bgmv_tile(kernel, tile))
+    (runner or runner_for(y)).launch("lora", name, grid, (EXPAND_THREADS, 1, 1), args)
     if target is not y:
         y.copy_(target)
     return y

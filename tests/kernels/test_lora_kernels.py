@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kernel_cases import DTYPE_IDS, DTYPES, assert_close, randn
 from loraplex.kernels import lora_launch, reference
+from loraplex.kernels.instances import BGMV_TILES
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 
@@ -25,18 +26,18 @@ def adapters(num_slots, max_rank, h_in, h_out, ranks, dtype, gen):
     return a, b, ranks_t, scales
 
 
-def check_bgmv(cpu, dtype, slots, ranks, max_rank, h_in=64, h_out=96, seed=0):
+def check_bgmv(cpu, dtype, slots, ranks, max_rank, h_in=64, h_out=96, seed=0, tile=lora_launch.BGMV_TILE):
     gen = torch.Generator().manual_seed(seed)
     a, b, ranks_t, scales = adapters(len(ranks), max_rank, h_in, h_out, ranks, dtype, gen)
     slots_t = torch.tensor(slots, dtype=torch.int32)
     x = randn(len(slots), h_in, dtype=dtype, gen=gen)
     x[slots_t < 0] = float("nan")  # rows without an adapter are never read
-    out = lora_launch.lora_shrink_bgmv(x, a, slots_t, ranks_t, runner=cpu)
+    out = lora_launch.lora_shrink_bgmv(x, a, slots_t, ranks_t, runner=cpu, tile=tile)
     want = reference.lora_shrink_bgmv(x, a, slots_t, ranks_t)
     assert_close(out, want, dtype)
     v = randn(len(slots), max_rank, dtype=dtype, gen=gen)
     y = randn(len(slots), h_out, dtype=dtype, gen=gen)
-    got = lora_launch.lora_expand_bgmv(y.clone(), v, b, slots_t, ranks_t, scales, runner=cpu)
+    got = lora_launch.lora_expand_bgmv(y.clone(), v, b, slots_t, ranks_t, scales, runner=cpu, tile=tile)
     assert_close(got, reference.lora_expand_bgmv(y.clone(), v, b, slots_t, ranks_t, scales), dtype)
 
 
@@ -55,9 +56,15 @@ def check_sgmv(cpu, dtype, starts, seg_slots, num_tokens, ranks, max_rank, h_in=
 
 
 @dtypes
-def test_bgmv_mixed_slots_and_ranks(cpu, dtype):
+@pytest.mark.parametrize("tile", BGMV_TILES)
+def test_bgmv_mixed_slots_and_ranks(cpu, dtype, tile):
     # ranks 1 (minimum), 16 (= max rank) and 5; slot -1 rows; runs of equal slots across tiles
-    check_bgmv(cpu, dtype, [0, 1, -1, 2, 2, 2, 2, 0, 1, 1, -1, 0, 2], ranks=[1, 16, 5], max_rank=16)
+    check_bgmv(cpu, dtype, [0, 1, -1, 2, 2, 2, 2, 0, 1, 1, -1, 0, 2], ranks=[1, 16, 5], max_rank=16, tile=tile)
+
+
+def test_bgmv_tile_must_be_instantiated(cpu):
+    with pytest.raises(ValueError, match="not instantiated"):
+        check_bgmv(cpu, torch.float32, [0], ranks=[2], max_rank=2, tile=3)
 
 
 @dtypes
