@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (no Triton, no network there): install the checkout
 # offline, then the engine vs transformers+peft on CUDA (decode graphs, eager, the tiled prefill
-# kernel; syncs per step counted), kernel numerics + bandwidth, the loop's host time per step and
-# the multi-LoRA throughput. Stages run in order of importance under one deadline (SESSION_S,
-# default 480 s): a stage gets at most its own cap and what is left; one that fails or times out
-# does not stop the rest. $OUT gets two files, both kept current after every stage (the device
+# kernel; syncs per step counted), kernel numerics + bandwidth, the loop's host time per step,
+# the multi-LoRA throughput and tests/engine (its engines on the default device run on CUDA).
+# Stages run in order of importance under one deadline (SESSION_S, default 480 s): a stage gets
+# at most its own cap and what is left; one that fails or times out does not stop the rest. $OUT gets two files, both kept current after every stage (the device
 # tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
 # output and JSON). STAGES (names, space-separated) runs only those stages.
 # Usage (device tool): SESSION_S=480 [STAGES="engine_check gpu_kernels"] bash benchmarks/gpu_session.sh
@@ -62,5 +62,7 @@ run step_host_time_eager 45 python3 benchmarks/step_host_time.py --seqs 256 --st
 run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
     --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --adapters 8,32 --repeats 1 \
     --json "$WORK/lora_throughput.json"
+# the engine tests as they are: those on the default device run on CUDA there (graphs, swap, containment, ...)
+run engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
 echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"
 sleep 1  # let tee write the last lines before the tool collects $OUT
