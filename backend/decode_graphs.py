@@ -58,10 +58,14 @@ class DecodeGraphs:
         rows, device = self.sizes[-1], model.device
         pinned = torch.device(device).type == "cuda"
 
+        self._padding: list[tuple[torch.Tensor, int]] = []  # each static input and the value of a padding row
+
         def buffer(value: int, *shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
             """A static device input and its pinned host twin: a step's array goes host -> twin -> device."""
             host = torch.full(shape, value, dtype=dtype, pin_memory=pinned)
-            return host.to(device, copy=True), host
+            on_device = host.to(device, copy=True)
+            self._padding.append((on_device, value))
+            return on_device, host
 
         self.input_ids, self._input_ids = buffer(0, rows, dtype=torch.int64)
         self.positions, self._positions = buffer(0, rows, dtype=torch.int64)
@@ -100,8 +104,7 @@ class DecodeGraphs:
         replay()
         want = self._forward_of(model, kv_cache, size, False)()
         same = torch.allclose(output.float(), want.float(), rtol=1e-3, atol=1e-3)
-        for buffer, value in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1),
-                              (self.block_tables, 0), (self.context_lens, 1)):
+        for buffer, value in self._padding:
             buffer.fill_(value)
         if not same:
             raise RuntimeError("a decode graph's replay differs from the eager forward")

@@ -19,8 +19,9 @@ import torch
 SYNC_WARNING = "synchronizing CUDA operation"
 
 
-def _syncs(caught: list) -> int:
-    return sum(SYNC_WARNING in str(w.message) for w in caught)
+def _syncs(caught: list) -> list:
+    """The recorded warnings that report a synchronizing operation."""
+    return [w for w in caught if SYNC_WARNING in str(w.message)]
 
 
 class SyncCounter:
@@ -44,7 +45,7 @@ class SyncCounter:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.in_forward += _syncs(self._caught[before:])
+                self.in_forward += len(_syncs(self._caught[before:]))
         return forward
 
     def step(self) -> list:
@@ -59,7 +60,7 @@ class SyncCounter:
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
                 self._caught = []
-        syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
+        syncs = _syncs(caught)
         self.where.update(f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs)
         self.per_step.append(len(syncs))
         return outputs
