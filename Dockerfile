@@ -3,18 +3,22 @@
 # Loraplex GPU image: NVIDIA's Triton container with the loraplex wheel in a virtualenv (docs/deployment.md).
 #
 #   docker build -t loraplex:0.1.0 .
-#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 \
-#       -v loraplex-adapters:/adapters loraplex:0.1.0                    # SmolLM2-135M-Instruct + pirate, french
-#   docker run --gpus all --shm-size=1g -p 8000-8002:8000-8002 -p 9000:9000 \
+#   docker run --gpus all --shm-size=1g -p 127.0.0.1:8000-8002:8000-8002 -p 127.0.0.1:9000:9000 \
+#       -v loraplex-adapters:/adapters loraplex:0.1.0          # SmolLM2-135M-Instruct + pirate, french; no keys
+#   docker run --gpus all --shm-size=1g -p 8000-8001:8000-8001 -p 9000:9000 -e LORAPLEX_ADMIN_KEY \
 #       -v /srv/models/Meta-Llama-3-8B-Instruct:/models/model:ro -v loraplex-adapters:/adapters \
-#       loraplex:0.1.0 loraplex-serve --model-dir /models/model --adapter-store /adapters --openai-port 9000
+#       -v /srv/loraplex/tenants.json:/etc/loraplex/tenants.json:ro \
+#       loraplex:0.1.0 loraplex-serve --address 0.0.0.0 --model-dir /models/model --adapter-store /adapters \
+#       --tenants-file /etc/loraplex/tenants.json --openai-port 9000
 #
-# Base image: tritonserver 25.03 (Triton 2.56.0): Ubuntu 24.04 with Python 3.12 and CUDA 12.8.1 (its release
-# notes: driver R560+, or R525/R535/R545 on data-center GPUs through CUDA compatibility). The Python-backend stub in
-# /opt/tritonserver/backends/python embeds that Python 3.12, so our virtualenv is made from the same
-# interpreter: both stages start from the same image. Releases 24.12-25.07 have Python 3.12 and CUDA 12;
-# 25.08 and later are CUDA 13, for which the CuPy package below would be cupy-cuda13x.
-ARG TRITON_RELEASE=25.03
+# Base image: tritonserver 25.07: Ubuntu 24.04 with Python 3.12 and CUDA 12.9, the first release carrying the
+# fixes of NVIDIA's August 2025 bulletin (CVE-2025-23310/23311 in the HTTP server, -23319/-23320/-23334 in the
+# Python backend's shared memory); later bulletins name later releases, which are CUDA 13
+# (docs/decisions/014-triton-release.md). The Python-backend stub in /opt/tritonserver/backends/python embeds
+# that Python 3.12, so our virtualenv is made from the same interpreter: both stages start from the same image.
+# Releases 24.12-25.07 have Python 3.12 and CUDA 12; 25.08 and later are CUDA 13, for which the CuPy package
+# below would be cupy-cuda13x and torch a cu13x build.
+ARG TRITON_RELEASE=25.07
 
 # ---- builder: the wheel, the virtualenv with CUDA torch and CuPy, the default model converted -----
 FROM nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3 AS builder
@@ -141,4 +145,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
 
 # NVIDIA's entrypoint first (it checks the driver and sets up CUDA forward compatibility), then tini.
 ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/usr/bin/tini", "--"]
-CMD ["loraplex-serve", "--adapter-store", "/adapters", "--openai-port", "9000"]
+# The default command is the demo: development mode (no API keys), so it must name its address and opt in
+# to serving without keys on it (publish its ports on the host's loopback, as above). With a tenants file
+# (the second example, deploy/k8s) keys are checked and Triton's own APIs are closed.
+CMD ["loraplex-serve", "--address", "0.0.0.0", "--allow-unauthenticated-network", "--adapter-store", "/adapters", \
+     "--openai-port", "9000"]

@@ -159,25 +159,57 @@ def answers_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _guard_main(pgid: int, grace: float, stop_file: str) -> None:
-    """The guard: wait for the launcher to go; if it went without stopping the server, end the group.
+def start_guard(pgid: int, grace: float, stop_file: str | os.PathLike | None = None,
+                stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """A guard process that ends process group ``pgid`` if this process dies without ``release_guard``.
+
+    It lives in a session of its own (no signal meant for us or the group reaches it), and
+    it watches a pipe whose only writer is this process, so it works whichever thread
+    starts it: unlike the parent-death signal, which the kernel ties to the forking thread.
+    """
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "guard", str(pgid), str(grace)]
+    return subprocess.Popen(argv + ([str(stop_file)] if stop_file else []), stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+
+
+def release_guard(guard: subprocess.Popen | None) -> None:
+    """Tell a guard its group was stopped in order (it exits without touching anything) and reap it."""
+    if guard is None:
+        return
+    try:
+        guard.stdin.write(GUARD_DONE)
+        guard.stdin.close()
+    except OSError:
+        pass
+    try:
+        guard.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover - the guard exits on EOF
+        guard.kill()
+        guard.wait()
+
+
+def _guard_main(pgid: int, grace: float, stop_file: str | None) -> None:
+    """The guard: wait for the launcher to go; if it went without stopping the group, end the group.
 
     Its stdin is a pipe whose only writer is the launcher, so EOF means the launcher
-    process is gone, however it ended. It stops the server as the launcher would have: the
-    stop file first (the model ends its streams within 0.1 s, while Triton can still deliver
-    the ends; its readiness poll alone takes up to 1 s, long enough for a fast engine to
-    finish them), then ``DEATH_SIGNAL`` (graceful); it waits up to ``grace`` s for the server
-    to exit, then kills the whole group: Python-backend stubs whose parent dies while our
-    model is sending deadlock in Triton 2.51 and never exit.
+    process is gone, however it ended. It stops the group as the launcher would have: the
+    stop file first, if any (a tritonserver's model ends its streams within 0.1 s, while
+    Triton can still deliver the ends; its readiness poll alone takes up to 1 s, long enough
+    for a fast engine to finish them), then ``DEATH_SIGNAL`` to the group's leader
+    (graceful); it waits up to ``grace`` s for the leader to exit, then kills the whole
+    group: Python-backend stubs whose parent dies while our model is sending deadlock in
+    Triton 2.51 and never exit, and a gateway whose event loop is blocked never acts on
+    a signal.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.stdin.buffer.read() == GUARD_DONE or not any(p.pgid == pgid for p in processes()):
         return
     regions = group_shm_regions(pgid)
-    try:
-        open(stop_file, "ab").close()
-    except OSError:
-        pass  # the readiness poll still ends the streams
+    if stop_file:
+        try:
+            open(stop_file, "ab").close()
+        except OSError:
+            pass  # the readiness poll still ends the streams
     try:
         os.kill(pgid, DEATH_SIGNAL)
     except ProcessLookupError:
@@ -186,11 +218,12 @@ def _guard_main(pgid: int, grace: float, stop_file: str) -> None:
     while process_running(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     kill_group(pgid, regions)
-    try:
-        os.unlink(stop_file)
-    except OSError:
-        pass
+    if stop_file:
+        try:
+            os.unlink(stop_file)
+        except OSError:
+            pass
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:  # the guard process (TritonServer.start)
-    _guard_main(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
+if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:  # a guard process (start_guard)
+    _guard_main(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)

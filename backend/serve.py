@@ -9,8 +9,11 @@ on Ctrl-C or SIGTERM (repeats are ignored; the stop always finishes).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import itertools
 import json
+import os
+import secrets
 import shutil
 import signal
 import sys
@@ -20,7 +23,11 @@ from pathlib import Path
 from loraplex.openai.process import GatewayError, GatewayProcess
 from loraplex.processes import process_running
 from loraplex.tenancy import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
-from loraplex.tritonserver import TritonServer, TritonServerError, cache_dir, engine_env, project_root
+from loraplex.tritonserver import (ADMIN_HEADER, RESTRICTED_APIS, TritonServer, TritonServerError, cache_dir,
+                                   engine_env, project_root)
+
+ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
+LOOPBACK = "127.0.0.1"
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 READY, STOP, EXITED, STOPPING, DEAD_STUB = "ready", "stop", "exited", "stopping", "dead stub"  # why a wait ended
@@ -307,7 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     ap.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (Prometheus)")
-    ap.add_argument("--address", default="0.0.0.0", help="address the three endpoints bind to")
+    ap.add_argument("--address", default=None,
+                    help="address every endpoint (Triton's HTTP, gRPC and metrics ports, and the gateway) binds to "
+                         "(default: 127.0.0.1 in development mode, 0.0.0.0 with --tenants-file)")
+    ap.add_argument("--allow-unauthenticated-network", action="store_true",
+                    help="allow development mode (no --tenants-file) on a non-loopback --address: anyone who "
+                         "reaches the ports may then name any tenant; logged as a warning at every start")
+    ap.add_argument("--admin-key", default=None,
+                    help=f"operator key for Triton's own APIs ({', '.join(RESTRICTED_APIS)}): they answer only "
+                         f"requests with the header {ADMIN_HEADER} (HTTP) or triton-grpc-protocol-{ADMIN_HEADER} "
+                         f"(gRPC) carrying it (default: ${ADMIN_KEY_ENV}; prefer it, a flag shows in the process "
+                         "table). With --tenants-file and no key a random one is made and never shown, so those "
+                         "APIs are closed; without a tenants file and no key they stay open (on loopback)")
     ap.add_argument("--adapter-store", default=None,
                     help="folder of PEFT adapter folders; every <store>/<name>/ is served to every tenant, "
                          "tenants' uploads live in <store>/.tenants/ (default: .cache/adapters-<model> for a "
@@ -335,6 +353,50 @@ def build_parser() -> argparse.ArgumentParser:
                          "group is killed exit-timeout + 5 s after the stop signal")
     ap.add_argument("--quiet", action="store_true", help="do not stream the server log")
     return ap
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is reachable only from this host."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_address(args: argparse.Namespace) -> str:
+    """Where to listen: the explicit --address, else loopback in development mode and every address with keys.
+
+    Development mode on a network address needs --allow-unauthenticated-network (ValueError otherwise).
+    """
+    address = args.address or (LOOPBACK if args.tenants_file is None else "0.0.0.0")
+    if args.tenants_file is None and not is_loopback(address):
+        if not args.allow_unauthenticated_network:
+            raise ValueError(f"--address {address} without --tenants-file would let anyone who reaches the ports "
+                             "name any tenant; give a tenants file, or pass --allow-unauthenticated-network")
+        print(f"loraplex-serve: WARNING: development mode on {address}: no API keys are checked, anyone who reaches "
+              "these ports may act as any tenant (--allow-unauthenticated-network)", file=sys.stderr, flush=True)
+    return address
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    """The operator key closing Triton's own APIs: the given one, a random unshown one with keys, else none."""
+    args.admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    if args.admin_key:
+        return args.admin_key
+    return secrets.token_urlsafe(32) if args.tenants_file is not None else None
+
+
+def admin_text(args: argparse.Namespace) -> str:
+    """One line on who may call Triton's own APIs."""
+    apis = ", ".join(RESTRICTED_APIS)
+    if args.admin_key:
+        return (f"Triton's admin APIs ({apis}) answer only with the header {ADMIN_HEADER} (gRPC: "
+                f"triton-grpc-protocol-{ADMIN_HEADER}) carrying the admin key")
+    if args.tenants_file is not None:
+        return f"Triton's admin APIs ({apis}) are closed (no --admin-key / ${ADMIN_KEY_ENV} given)"
+    return f"Triton's admin APIs ({apis}) are open to whoever reaches the ports (development mode)"
 
 
 def print_new_key(out=sys.stdout) -> int:
@@ -365,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         except TenantsFileError as exc:
             print(f"loraplex-serve: --tenants-file {exc}", file=sys.stderr)
             return 2
+    try:
+        address = listen_address(args)
+    except ValueError as exc:
+        print(f"loraplex-serve: {exc}", file=sys.stderr)
+        return 2
     store = Path(args.adapter_store or default_adapter_store(None if args.model_dir else args.model))
     example: dict = {"lora_name": None}
     if args.model_dir is None:
@@ -393,12 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         model_repository=args.model_repository,
         env=engine_env(model_dir, store, args.engine_config, args.tenants_file),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        address=args.address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
-        exit_timeout_secs=args.exit_timeout,
+        address=address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
+        exit_timeout_secs=args.exit_timeout, admin_key=admin_key(args),
     )
+    print(f"loraplex-serve: {admin_text(args)}", file=sys.stderr, flush=True)
     gateway = None
     if args.openai_port:
-        gateway = GatewayProcess(server.grpc_url, args.openai_port, args.address, str(Path(model_dir).resolve()),
+        gateway = GatewayProcess(server.grpc_url, args.openai_port, address, str(Path(model_dir).resolve()),
                                  args.served_model_name)
     rc = 1
     with _StopRequest() as stop:

@@ -39,12 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from . import processes as procs
 from .config import STOP_FILE_ENV
-from .processes import (GUARD_DONE, STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions,
-                        processes, start_in_session, unlink_shm)
+from .processes import (STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions, processes,
+                        release_guard, start_guard, start_in_session, unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
+# Triton's own APIs that only the operator may call once an admin key is set (docs/security.md):
+# everything but health, metadata and inference. The header is not forwarded to models.
+ADMIN_HEADER = "x-loraplex-admin-key"
+RESTRICTED_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
 CONTAINER_ROOT = Path("/opt/tritonserver")
 
 
@@ -254,6 +257,7 @@ class TritonServer:
     address: str = "127.0.0.1"
     log_verbose: int = 0
     exit_timeout_secs: int = 5
+    admin_key: str | None = None  # set: RESTRICTED_APIS answer only requests carrying ADMIN_HEADER with it
     header_forward_pattern: str = DEFAULT_HEADER_PATTERN
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
@@ -318,8 +322,16 @@ class TritonServer:
             "--grpc-header-forward-pattern", self.header_forward_pattern,
             "--http-header-forward-pattern", self.header_forward_pattern,
             "--log-verbose", str(self.log_verbose),
+            *self.restricted_api_args(),
             *self.extra_args,
         ]
+
+    def restricted_api_args(self) -> list[str]:
+        """tritonserver's flags closing RESTRICTED_APIS, over HTTP and gRPC, to all but the admin header."""
+        if not self.admin_key:
+            return []
+        rule = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"
+        return ["--http-restricted-api", rule, "--grpc-restricted-protocol", rule]
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> "TritonServer":
@@ -347,15 +359,13 @@ class TritonServer:
         env = server_env(self.install, {**(self.env or {}), STOP_FILE_ENV: str(self.stop_file)})
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_scanned, self._signalled = self._log_file.tell(), False
-        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        shown = " ".join(cmd).replace(self.admin_key, "<admin key>") if self.admin_key else " ".join(cmd)
+        self._log_file.write(("$ " + shown + "\n").encode())
         self.proc = start_in_session(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT)
         self._stopped = False
         try:
-            guard = [sys.executable, "-I", "-S", procs.__file__, "guard", str(self.proc.pid), str(self.exit_timeout_secs + 5),
-                     str(self.stop_file)]
-            self._guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                           stderr=self._log_file, start_new_session=True)
+            self._guard = start_guard(self.proc.pid, self.exit_timeout_secs + 5, self.stop_file, stderr=self._log_file)
         except OSError:
             self.stop(grace=0)
             raise
@@ -466,21 +476,6 @@ class TritonServer:
         else:
             unlink_shm(regions)
 
-    def _release_guard(self) -> None:
-        guard, self._guard = self._guard, None
-        if guard is None:
-            return
-        try:
-            guard.stdin.write(GUARD_DONE)
-            guard.stdin.close()
-        except OSError:
-            pass
-        try:
-            guard.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover - the guard exits on EOF
-            guard.kill()
-            guard.wait()
-
     def stop(self, grace: float = 10.0) -> int | None:
         """Stop gracefully (SIGINT to the server), then SIGKILL its whole process group after ``grace`` s.
 
@@ -517,7 +512,8 @@ class TritonServer:
             self.stop_file.unlink(missing_ok=True)
             return proc.returncode
         finally:
-            self._release_guard()
+            release_guard(self._guard)
+            self._guard = None
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None

@@ -1,9 +1,11 @@
 """The gateway as a child process of ``loraplex-serve``: start, wait until it answers, watch, stop.
 
 Standard library only (the launcher does not import FastAPI). The child gets its own session,
-so a Ctrl-C in the terminal reaches the launcher alone and the launcher stops it in order; it
-gets SIGTERM from the kernel if the launcher dies (parent-death signal), and uvicorn's graceful
-shutdown is bounded (``cli.GRACEFUL_SHUTDOWN_SECONDS``), so it is never left behind.
+so a Ctrl-C in the terminal reaches the launcher alone and the launcher stops it in order. It
+never outlives the launcher: a guard process (``processes.start_guard``) sends it SIGTERM when the
+launcher dies, however it dies and whichever thread started the child, and SIGKILL
+``GUARD_GRACE`` s later (an event loop held up by a request cannot act on SIGTERM); a child
+started from the main thread also gets the parent-death SIGTERM at once.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from loraplex.processes import answers_ok, start_in_session
+from loraplex.processes import answers_ok, release_guard, start_guard, start_in_session
 
 RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most this often
+GUARD_GRACE = 10.0  # after the launcher died: SIGTERM, then SIGKILL this much later (past cli.GRACEFUL_SHUTDOWN_SECONDS)
 
 
 class GatewayError(RuntimeError):
@@ -36,6 +39,7 @@ class GatewayProcess:
     log_level: str = "warning"
     proc: subprocess.Popen | None = field(default=None, init=False)
     started_at: float = field(default=0.0, init=False)
+    _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -59,10 +63,20 @@ class GatewayProcess:
             err = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):  # a stderr without a file (captured): inherit fd 2
             err = None
+        self._release_guard()  # a restart: the last child is gone
         self.proc = start_in_session(self.command(), signal.SIGTERM, stdin=subprocess.DEVNULL, stdout=err,
                                      stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.started_at = time.monotonic()
+        try:
+            self._guard = start_guard(self.proc.pid, GUARD_GRACE)
+        except OSError:
+            self.proc.kill()
+            raise
         return self
+
+    def _release_guard(self) -> None:
+        release_guard(self._guard)
+        self._guard = None
 
     def running(self) -> bool:
         """Whether the child is alive."""
@@ -112,4 +126,5 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._release_guard()
         return self.proc.returncode

@@ -98,7 +98,7 @@ def test_multi_stage_on_the_triton_image():
     assert release, "the Triton release (yy.mm) is pinned in one ARG"
     # 24.12 is the first release on Ubuntu 24.04 / Python 3.12, 25.08 the first on CUDA 13 (cupy-cuda12x
     # and the cu12x torch index below need CUDA 12).
-    assert (24, 12) <= (int(release.group(1)), int(release.group(2))) < (25, 8)
+    assert (25, 7) <= (int(release.group(1)), int(release.group(2))) < (25, 8)  # 25.07: the Aug 2025 CVE fixes
     runtime = by_stage["runtime"]
     copies_from_builder = [a for w, a in runtime if w == "COPY" and "--from=builder" in a]
     assert any("/opt/venv" in a for a in copies_from_builder)
@@ -145,6 +145,10 @@ def test_runtime_user_health_volumes_ports():
     assert "python3.12/site-packages/nvidia/cuda_nvrtc/lib" in env  # CuPy's NVRTC from torch's wheel
     cmd = json.loads(next(a for w, a in runtime if w == "CMD"))
     assert cmd[0] == "loraplex-serve" and "--adapter-store" in cmd and cmd[cmd.index("--adapter-store") + 1] == "/adapters"
+    from loraplex.serve import build_parser, listen_address
+
+    args = build_parser().parse_args(cmd[1:])
+    assert args.address == "0.0.0.0" and listen_address(args) == "0.0.0.0"  # explicit, and accepted without keys
     assert json.loads(next(a for w, a in runtime if w == "ENTRYPOINT"))[-2:] == ["/usr/bin/tini", "--"]
 
 

@@ -37,7 +37,7 @@ K8S_VERSION = "1.32.0"  # the oldest minor still supported by the big managed of
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 # Created by the operator, not by these manifests (re-applying them must not reset the tenants);
 # docs/deployment.md says how, from deploy/k8s/tenants.example.json.
-EXTERNAL_SECRETS = {"loraplex-tenants"}
+EXTERNAL_SECRETS = {"loraplex-tenants", "loraplex-admin"}
 TENANTS_EXAMPLE = K8S / "tenants.example.json"
 DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
 TENANT_HEADERS = ["x-api-key", "x-tenant-id"]
@@ -85,6 +85,8 @@ def expand(args: list[str], c: dict) -> list[str]:
     for env in c.get("env", []):
         if "value" in env:
             values[env["name"]] = env["value"]
+        elif "secretKeyRef" in env["valueFrom"]:
+            assert env["valueFrom"]["secretKeyRef"]["name"] in EXTERNAL_SECRETS
         else:
             ref = env["valueFrom"]["configMapKeyRef"]
             values[env["name"]] = find("ConfigMap", ref["name"])["data"][ref["key"]]
@@ -222,6 +224,9 @@ def test_triton_args_parse_with_loraplex_serve():
     assert args[0] == "loraplex-serve"
     parsed = serve_parser().parse_args(args[1:])
     assert parsed.adapter_store == "/adapters" and parsed.openai_port == 0  # the gateway runs on its own
+    assert parsed.address == "0.0.0.0", "the listen address is explicit"
+    admin = next(e for e in c["env"] if e["name"] == "LORAPLEX_ADMIN_KEY")["valueFrom"]["secretKeyRef"]
+    assert admin["optional"] is True and admin["name"] in EXTERNAL_SECRETS  # absent: a random key, APIs closed
     EngineConfig.from_dict(json.loads(parsed.engine_config))  # the knobs exist and validate
     model_dir = Path(parsed.model_dir)
     models_mount = next(m for m in c["volumeMounts"] if m["name"] == "models")
@@ -309,7 +314,7 @@ def check_envoy(config: dict) -> None:
         (hcm,) = chain["filters"]
         routes = [r for vh in hcm["typed_config"]["route_config"]["virtual_hosts"] for r in vh["routes"]]
         for route in routes:
-            if "route" not in route:
+            if "route" not in route or not route["route"]["cluster"].startswith("triton_"):
                 continue
             action = route["route"]
             cluster = clusters[action["cluster"]]
@@ -338,6 +343,82 @@ def check_envoy(config: dict) -> None:
 
 def test_envoy_routes_tenants_by_consistent_hash():
     check_envoy(envoy_config())
+
+
+def routed_to(config: dict, port: int, path: str) -> str | None:
+    """The cluster Envoy's listener on ``port`` sends ``path`` to (None: answered by Envoy itself),
+    matching routes in order as Envoy does (a safe_regex matches the whole path)."""
+    import re
+
+    listener = next(l for l in config["static_resources"]["listeners"]
+                    if l["address"]["socket_address"]["port_value"] == port)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for vh in hcm["route_config"]["virtual_hosts"]:
+        for route in vh["routes"]:
+            match = route["match"]
+            hit = (path.startswith(match["prefix"]) if "prefix" in match
+                   else re.fullmatch(match["safe_regex"]["regex"], path) is not None)
+            if hit:
+                return route["route"]["cluster"] if "route" in route else None
+    return None
+
+
+TRITON_ADMIN_PATHS = [  # Triton's own APIs (README: Triton's admin APIs) and models other than ours
+    "/v2/repository/index", "/v2/repository/models/lora_llm/load", "/v2/repository/models/lora_llm/unload",
+    "/v2/models/lora_llm/config", "/v2/models/lora_llm/stats", "/v2/models/stats", "/v2/systemsharedmemory/status",
+    "/v2/systemsharedmemory/region/x/register", "/v2/cudasharedmemory/status", "/v2/logging", "/v2/trace/setting",
+    "/v2/models/lora_llm/trace/setting", "/v2/models/other/infer", "/v2/models/lora_llm/infer/../config", "/v2",
+    "/metrics", "/health",
+]
+
+
+def test_envoy_routes_only_the_tenant_surface():
+    config = envoy_config()
+    for path in ("/v2/models/lora_llm/generate", "/v2/models/lora_llm/generate_stream", "/v2/models/lora_llm/infer",
+                 "/v2/models/lora_adapters/infer", "/v2/models/lora_llm/versions/1/generate_stream",
+                 "/v2/health/ready", "/v2/health/live", "/v2/models/lora_llm/ready"):
+        assert routed_to(config, 8000, path) == "triton_http", path
+    assert routed_to(config, 8000, "/v1/chat/completions") == "openai_gateway"
+    assert routed_to(config, 8000, "/v1/models") == "openai_gateway"
+    for path in TRITON_ADMIN_PATHS:
+        assert routed_to(config, 8000, path) is None, path
+    service = "/inference.GRPCInferenceService/"
+    for method in ("ModelInfer", "ModelStreamInfer", "ServerReady", "ServerLive", "ModelReady"):
+        assert routed_to(config, 8001, service + method) == "triton_grpc", method
+    for method in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "ModelConfig", "ModelStatistics",
+                   "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                   "CudaSharedMemoryRegister", "LogSettings", "TraceSetting"):
+        assert routed_to(config, 8001, service + method) is None, method
+    gateway = {c["name"]: c for c in config["static_resources"]["clusters"]}["openai_gateway"]
+    address = gateway["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    service_port = next(p["port"] for p in find("Service", "loraplex-openai")["spec"]["ports"] if p["name"] == "http")
+    assert address == {"address": f"loraplex-openai.{kustomization()['namespace']}.svc.cluster.local",
+                       "port_value": service_port}
+
+
+def test_network_policy_lets_only_envoy_and_prometheus_reach_the_replicas():
+    policy = find("NetworkPolicy", "loraplex-triton")["spec"]
+    triton_pod = find("Deployment", "loraplex-triton")["spec"]["template"]["metadata"]["labels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["podSelector"]["matchLabels"].items() <= triton_pod.items()
+    ports = {p["name"]: p["containerPort"] for p in container("loraplex-triton", "triton")["ports"]}
+    allowed = {}
+    for rule in policy["ingress"]:
+        (peer,) = rule["from"]
+        who = peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        assert all(p["port"] in ports for p in rule["ports"]), rule["ports"]
+        allowed[who] = sorted(p["port"] for p in rule["ports"])
+    assert allowed == {"loraplex-envoy": ["grpc", "http"], "prometheus": ["metrics"]}
+    envoy_pod = find("Deployment", "loraplex-envoy")["spec"]["template"]["metadata"]["labels"]
+    assert envoy_pod["app.kubernetes.io/name"] == "loraplex-envoy"
+
+
+def test_envoy_route_check_can_fail():
+    config = envoy_config()
+    routes = config["static_resources"]["listeners"][1]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    routes.insert(0, {"match": {"prefix": "/v2/"}, "route": {"cluster": "triton_http"}})
+    assert routed_to(config, 8000, "/v2/repository/index") == "triton_http"
 
 
 @pytest.mark.parametrize("mutate", [
