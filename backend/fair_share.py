@@ -10,8 +10,9 @@ once it is at or below the lift level (lifting would restore it anyway); at most
 ``max_idle`` idle counters are kept above it, the lowest dropped first, so millions of
 one-shot tenant names cannot grow the state.
 
-``ActiveRequests`` counts, per tenant, requests from their first admission until their
-last sample ended (running, swapped out or preempted included): ``max_concurrent_requests``.
+``ActiveRequests`` counts, per tenant, the sequences (samples: a request of ``n`` counts
+``n``) of requests from their first admission until each sample ends (running, swapped out,
+preempted or not yet forked included): ``max_concurrent_requests``.
 """
 
 from __future__ import annotations
@@ -101,40 +102,42 @@ class VirtualTokenCounter:
 
 
 class ActiveRequests:
-    """Requests each tenant has started and not finished (every sample), for max_concurrent_requests."""
+    """Sequences each tenant has started and not finished (a request counts its n samples), for max_concurrent_requests."""
 
     __slots__ = ("counts", "_samples")
 
     def __init__(self) -> None:
-        self.counts: dict[str, int] = {}  # tenant -> active requests (no entry at 0)
+        self.counts: dict[str, int] = {}  # tenant -> active sequences (no entry at 0)
         self._samples: dict[int, list] = {}  # id(request) -> [request, samples not finished]
 
     def start(self, request, samples: int) -> int:
-        """Count a request from its first admission (with its n samples); returns its tenant's count."""
+        """Count a request's n samples from its first admission; returns its tenant's count."""
         self._samples[id(request)] = [request, samples]
-        count = self.counts[request.tenant] = self.counts.get(request.tenant, 0) + 1
+        count = self.counts[request.tenant] = self.counts.get(request.tenant, 0) + samples
         return count
 
     def finish(self, request, samples: int) -> int | None:
-        """Samples of a request ended; when its last one did, returns its tenant's remaining count (else None)."""
+        """Samples of a started request ended: returns its tenant's remaining count (None: never started)."""
         record = self._samples.get(id(request))
         if record is None:  # never started (ended while queued)
             return None
         record[1] -= samples
-        if record[1] > 0:
-            return None
-        return self.cancel(request)
+        if record[1] <= 0:
+            del self._samples[id(request)]
+        return self._drop(request.tenant, samples)
 
     def cancel(self, request) -> int:
-        """Stop counting a started request (all of it); returns its tenant's remaining count."""
-        del self._samples[id(request)]
-        tenant = request.tenant
-        count = self.counts[tenant] - 1
-        if count:
+        """Stop counting a started request (every sample it still has); returns its tenant's remaining count."""
+        _, samples = self._samples.pop(id(request))
+        return self._drop(request.tenant, samples)
+
+    def _drop(self, tenant: str, samples: int) -> int:
+        count = self.counts[tenant] - samples
+        if count > 0:
             self.counts[tenant] = count
         else:
             del self.counts[tenant]
-        return count
+        return max(count, 0)
 
     def is_started(self, request) -> bool:
         """Counted (admitted once and some sample not finished)."""
@@ -147,7 +150,7 @@ class ActiveRequests:
         if got != want:
             raise AssertionError(f"active requests {got} != recomputed {want}")
         counts: dict[str, int] = {}
-        for request, _ in samples.values():
-            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        for request, live in samples.values():
+            counts[request.tenant] = counts.get(request.tenant, 0) + live
         if counts != self.counts:
             raise AssertionError(f"active counts per tenant {self.counts} != recomputed {counts}")

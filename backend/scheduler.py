@@ -16,9 +16,10 @@ padded rows cost a static batch on any device. ``static-shrink`` lets ended rows
 Tenants (backend/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
 backlogged tenant with the least virtual token counter; a tenant is charged its prompt at
 a request's first admission (never again when a preempted sequence resumes) and each
-generated token in ``update``. ``max_concurrent_requests`` counts a request from its first
-admission until its last sample ends (``_finish``, the one place sequences end); a tenant
-at its limit is blocked in the waiting queue.
+generated token in ``update``. ``max_concurrent_requests`` counts sequences: a request's n
+samples from its first admission until each ends (``_finish``, the one place sequences
+end). A request starts only if all its samples fit under its tenant's limit; a tenant at
+its limit, or whose next request does not fit, is blocked in the waiting queue.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class Scheduler:
         return ended
 
     def _finish(self, seqs: list[Sequence], reason: FinishReason) -> None:
-        """Mark samples of one request FINISHED; when its last one ends, its tenant's count drops."""
+        """Mark samples of one request FINISHED; its tenant's count of sequences drops by as many."""
         for s in seqs:
             s.status, s.finish_reason = SeqStatus.FINISHED, reason
         request = seqs[0].request
@@ -173,6 +174,12 @@ class Scheduler:
             self._apply_limit(request.tenant, left)
             if not left:
                 self._retire(request.tenant)
+
+    def _fits_tenant(self, seq: Sequence) -> bool:
+        """A new request's samples fit under its tenant's max_concurrent_requests (a tenant with none running: always)."""
+        limit = self.limits.get(seq.request.tenant, 0)
+        count = self.active.counts.get(seq.request.tenant, 0)
+        return not limit or not count or count + 1 + len(seq.forks) <= limit
 
     def _apply_limit(self, tenant: str, count: int) -> None:
         """Block the tenant in the waiting queue while `count` is at its max_concurrent_requests."""
@@ -340,6 +347,9 @@ class Scheduler:
                 popped.append(seq)
                 if not self._fits_cap(seq) or (seq.suspect and out.admitted):
                     break  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
+                if not seq.num_preemptions and not self._fits_tenant(seq):
+                    self.waiting.block(seq.request.tenant)  # put back by unpop; unblocked as its samples end
+                    continue
                 if not self._acquire_adapter(seq):
                     if seq.error is not None:  # its adapter broke since it was queued: fail it alone
                         self._fail_popped(popped, out)

@@ -17,7 +17,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -59,6 +59,7 @@ class Tenant:
     max_adapter_rank: int = 0
     max_adapter_bytes: int = 0
     tokens_per_minute: int = 0
+    queue_fraction: float = 0.0  # weight / the file's total weight: its part of the waiting queue (queue_share)
 
     @property
     def authenticated(self) -> bool:
@@ -66,8 +67,20 @@ class Tenant:
         return bool(self.api_key_digest)
 
 
-QUOTA_FIELDS = tuple(f.name for f in fields(Tenant) if f.name not in ("name", "api_key_digest", "weight"))
+QUOTA_FIELDS = tuple(f.name for f in fields(Tenant)
+                     if f.name not in ("name", "api_key_digest", "weight", "queue_fraction"))
 KNOWN_FIELDS = ("api_key_sha256", "weight", *QUOTA_FIELDS)
+# A tenants file's defaults for fields it leaves out (an explicit 0 still means unlimited). Development mode
+# (no file) has no quotas. README.md "Tenants and API keys" explains each value.
+DEFAULT_QUOTAS = {
+    "max_concurrent_requests": 64,  # sequences (n counts n): a quarter of the default max_num_seqs
+    "max_queued_requests": 256,
+    "tokens_per_minute": 1_000_000,  # prompt + n x max_tokens reserved at acceptance
+    "max_adapters": 16,
+    "max_adapter_rank": 0,  # the server's max_lora_rank bounds it
+    "max_adapter_bytes": 256 << 20,
+}
+assert set(DEFAULT_QUOTAS) == set(QUOTA_FIELDS)
 
 
 def key_digest(key: str) -> bytes:
@@ -107,7 +120,7 @@ def _tenant(name: str, entry) -> Tenant:
     weight = _number(name, "weight", entry.get("weight", 1), 0, integer=False)
     if weight == 0:
         raise TenantsFileError(f"tenant {name!r}: weight must be > 0, got 0")
-    quotas = {f: _number(name, f, entry.get(f, 0), 0, integer=True) for f in QUOTA_FIELDS}
+    quotas = {f: _number(name, f, entry.get(f, DEFAULT_QUOTAS[f]), 0, integer=True) for f in QUOTA_FIELDS}
     return Tenant(name, bytes.fromhex(digest), weight, **quotas)
 
 
@@ -122,13 +135,26 @@ def parse_tenants(data) -> dict[str, Tenant]:
             raise TenantsFileError(f"tenants {owners[tenant.api_key_digest]!r} and {tenant.name!r} "
                                    "have the same api_key_sha256")
         owners[tenant.api_key_digest] = tenant.name
-    return tenants
+    total = sum(t.weight for t in tenants.values())
+    return {name: replace(t, queue_fraction=t.weight / total) for name, t in tenants.items()}
+
+
+def _refuse_duplicates(pairs: list) -> dict:
+    """json object_pairs_hook: a key given twice in one object (json.loads would keep the last silently)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise TenantsFileError(f"{key!r} appears twice in one JSON object (a duplicate tenant name?)")
+        seen[key] = value
+    return seen
 
 
 def load_tenants_file(path: str | os.PathLike) -> dict[str, Tenant]:
     """Read and validate a tenants file; raises TenantsFileError naming the file."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicates)
+    except TenantsFileError as exc:
+        raise TenantsFileError(f"{path}: {exc}") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise TenantsFileError(f"{path}: {exc}") from None
     try:
@@ -143,7 +169,9 @@ def development_tenant(parameters: Mapping) -> str:
 
 
 class TenantsFile:
-    """The tenants file, re-read when its mtime or size changes (checked at most once a second on lookup)."""
+    """The tenants file, re-read when its mtime or size changes (checked at most once a second, on lookup or
+    ``refresh``). A reload that fails, or a file that is gone, keeps the last good tenants; every check while it
+    still fails logs an ERROR and counts one ``reload_failures``."""
 
     def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.monotonic):
         self.path, self.clock = Path(path), clock
@@ -151,6 +179,9 @@ class TenantsFile:
         self._signature = self._signature_now()  # before reading: a change in between is seen next time
         self.tenants = load_tenants_file(self.path)  # the first load must succeed
         self._checked = clock()
+        self._failing = False  # the file as it is now did not load: retried at every check
+        self.reload_failures = 0  # checks that found the file unloadable (a metric counts them)
+        self.on_failure: Callable[[], None] | None = None  # called after each one (e.g. wake the metrics)
 
     def _signature_now(self):
         try:
@@ -159,25 +190,33 @@ class TenantsFile:
             return repr(exc)
         return st.st_mtime_ns, st.st_size, st.st_ino
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Reload the file if it changed, or retry it while it fails (at most once per RELOAD_CHECK_SECONDS)."""
         with self._lock:
             if self.clock() - self._checked < RELOAD_CHECK_SECONDS:
                 return
             self._checked = self.clock()
             signature = self._signature_now()  # before reading, as above
-            if signature == self._signature:
+            if signature == self._signature and not self._failing:
                 return
-            self._signature = signature  # a broken version is reported once, not on every lookup
+            self._signature = signature
             try:
                 self.tenants = load_tenants_file(self.path)
             except TenantsFileError as exc:
-                log.error("tenants file not reloaded, keeping the last good one: %s", exc)
+                self._failing = True
+                self.reload_failures += 1
+                log.error("tenants file not reloaded, keeping the last good one (%d tenant(s)): %s",
+                          len(self.tenants), exc)
+            else:
+                self._failing = False
+                log.info("tenants file reloaded: %d tenant(s)", len(self.tenants))
                 return
-            log.info("tenants file reloaded: %d tenant(s)", len(self.tenants))
+        if self.on_failure is not None:
+            self.on_failure()
 
     def tenant_for_key(self, key) -> Tenant | None:
         """The tenant whose key this is (None if none): every digest is compared, in constant time."""
-        self._refresh()
+        self.refresh()
         if not isinstance(key, str) or not key:
             return None
         digest, found = key_digest(key), None

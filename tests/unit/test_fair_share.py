@@ -248,16 +248,18 @@ def test_idle_counters_are_dropped_at_the_level_and_capped():
     assert vtc.counter("t0") == 45.0
 
 
-def test_active_requests_count_until_the_last_sample():
+def test_active_requests_count_sequences():
     class R:
         def __init__(self, rid, tenant):
             self.request_id, self.tenant = rid, tenant
 
     active, a, b = ActiveRequests(), R("a", "t"), R("b", "t")
-    assert active.start(a, 3) == 1 and active.start(b, 1) == 2
-    assert active.finish(a, 2) is None and active.counts == {"t": 2}
+    assert active.start(a, 3) == 3 and active.start(b, 1) == 4
+    assert active.finish(a, 2) == 2 and active.counts == {"t": 2}
     assert active.finish(a, 1) == 1 and active.finish(b, 1) == 0 and active.counts == {}
     assert active.finish(a, 1) is None  # not started (any more): nothing to do
+    active.start(a, 3)
+    assert active.cancel(a) == 0 and active.counts == {}  # a withdrawn request drops every sample
 
 
 # ---------------------------------------------------------------- max_concurrent_requests
@@ -297,23 +299,36 @@ def test_a_preempted_request_keeps_counting(mode):
     h.assert_idle_and_clean()
 
 
-def test_n_samples_count_once_until_the_last_ends_and_aborts_release():
+def test_n_samples_count_as_sequences_and_each_end_releases_one():
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=8)
-    g = h.add("g", 4, max_tokens=6, n=3, tenant="A", max_concurrent=1)
+    g = h.add("g", 4, max_tokens=6, n=3, tenant="A", max_concurrent=3)
     h.add("next", 4, max_tokens=2, tenant="A")
     h.step()
     h.step()
-    assert h.sched.active.counts == {"A": 1} and "next" not in h.started
-    h.sched.remove(g[1], FinishReason.ABORT)
-    h.sched.remove(g[2], FinishReason.ABORT)
+    assert h.sched.active.counts == {"A": 3} and "next" not in h.started
+    h.sched.remove(g[1], FinishReason.ABORT)  # one sample ends: one place frees
     h.step()
-    assert "next" not in h.started  # sample 0 still runs
-    h.sched.remove(g[0], FinishReason.ABORT)
-    h.step()
-    assert h.started == ["g", "next"]
-    for s in g:
+    assert h.started == ["g", "next"] and h.sched.active.counts == {"A": 3}
+    for s in g[1:2]:
         h.finals[("g", s.index)] = 1
     h.run()
+    h.assert_idle_and_clean()
+
+
+def test_a_request_whose_samples_do_not_fit_waits_below_the_limit():
+    h = Harness(num_blocks=64, block_size=4, max_num_seqs=8)
+    h.add("a1", 4, max_tokens=6, n=2, tenant="A", max_concurrent=4)
+    h.add("a2", 4, max_tokens=6, n=3, tenant="A")
+    h.add("b1", 4, max_tokens=6, tenant="B")
+    h.step()
+    h.step()
+    assert h.sched.active.counts == {"A": 2, "B": 1}  # 2 + 3 > 4: a2 waits though A is below its limit
+    assert h.started == ["a1", "b1"]
+    most = 0
+    while h.sched.has_work():
+        h.step()
+        most = max(most, h.sched.active.counts.get("A", 0))
+    assert h.started == ["a1", "b1", "a2"] and most == 3
     h.assert_idle_and_clean()
 
 

@@ -36,7 +36,12 @@ def test_defaults_and_all_fields():
     acme, globex = tenants["acme"], tenants["globex"]
     assert (acme.weight, acme.max_concurrent_requests, acme.max_adapter_bytes) == (2.5, 64, 268435456)
     assert acme.api_key_digest == key_digest("k1")
-    assert (globex.weight, globex.max_queued_requests, globex.tokens_per_minute) == (1, 0, 0)
+    assert acme.tokens_per_minute == 0  # an explicit 0: unlimited
+    absent = (globex.weight, globex.max_concurrent_requests, globex.max_queued_requests, globex.tokens_per_minute,
+              globex.max_adapters, globex.max_adapter_rank, globex.max_adapter_bytes)
+    assert absent == (1, 64, 256, 1_000_000, 16, 0, 268435456)  # a field left out: the documented default
+    assert (acme.queue_fraction, globex.queue_fraction) == (2.5 / 3.5, 1 / 3.5)
+    assert TenantResolver(None).resolve_tenant({"tenant": "t"}).max_queued_requests == 0  # development: no quotas
 
 
 @pytest.mark.parametrize("data, message", [
@@ -57,6 +62,29 @@ def test_defaults_and_all_fields():
 def test_invalid_files_name_tenant_and_field(data, message):
     with pytest.raises(TenantsFileError, match=message):
         parse_tenants(data)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"tenants": {"acme": %s, "acme": %s}}', "'acme' appears twice in one JSON object"),
+    ('{"tenants": {"acme": {"api_key_sha256": "%s", "weight": 1, "weight": 2}}}',
+     "'weight' appears twice in one JSON object"),
+])
+def test_duplicate_names_or_fields_are_refused_not_collapsed(tmp_path, text, message):
+    path = tmp_path / "tenants.json"
+    one, two = json.dumps(entry("key-1")), json.dumps(entry("key-2"))
+    path.write_text(text % ((one, two) if text.count("%s") == 2 else key_digest("k").hex()))
+    with pytest.raises(TenantsFileError) as err:
+        load_tenants_file(path)
+    assert str(err.value) == f"{path}: {message} (a duplicate tenant name?)"
+
+
+def test_duplicate_key_hashes_are_refused_in_any_case(tmp_path):
+    path = tmp_path / "tenants.json"
+    digest = key_digest("shared").hex()
+    write(path, {"acme": {"api_key_sha256": digest}, "globex": {"api_key_sha256": digest.upper()}})
+    with pytest.raises(TenantsFileError) as err:
+        load_tenants_file(path)
+    assert str(err.value) == f"{path}: tenants 'acme' and 'globex' have the same api_key_sha256"
 
 
 def test_unreadable_file_names_the_path(tmp_path):
@@ -106,17 +134,28 @@ def test_reload_within_the_window_and_broken_edit_keeps_last_good(tmp_path, capl
     assert tenants.tenant_for_key("key-i").weight == 3
     path.write_text('{"tenants": {"acme": ')
     clock.now = 2.0
+    failures = []
+    tenants.on_failure = lambda: failures.append(tenants.reload_failures)
     with caplog.at_level(logging.ERROR, logger="loraplex.tenancy"):
         assert tenants.tenant_for_key("key-i").name == "initech"
+        assert tenants.tenant_for_key("key-i").name == "initech"  # within the second: not checked again
         clock.now = 3.0
-        assert tenants.tenant_for_key("key-a").name == "acme"
-    assert len([r for r in caplog.records if "keeping the last good one" in r.message]) == 1
-    os.remove(path)
-    clock.now = 4.0
-    assert tenants.tenant_for_key("key-a").name == "acme"  # a vanished file keeps the last good one too
+        assert tenants.tenant_for_key("key-a").name == "acme"  # unchanged and still broken: an ERROR again
+        os.remove(path)
+        clock.now = 4.0
+        assert tenants.tenant_for_key("key-a").name == "acme"  # a vanished file keeps the last good one too
+        clock.now = 5.0
+        tenants.refresh()  # checked without a lookup too (the model's watch thread)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.message.split(": ")[0] for r in errors] == ["tenants file not reloaded, keeping the last good one "
+                                                          "(2 tenant(s))"] * 4
+    assert "No such file" in errors[2].message and failures == [1, 2, 3, 4] and tenants.reload_failures == 4
     write(path, {"initech": entry("key-i")})
-    clock.now = 5.0
+    clock.now = 6.0
     assert tenants.tenant_for_key("key-a") is None and tenants.tenant_for_key("key-i").name == "initech"
+    clock.now = 7.0
+    tenants.refresh()
+    assert tenants.reload_failures == 4  # good again: nothing more counted
 
 
 def test_first_load_must_succeed(tmp_path):
