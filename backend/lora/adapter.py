@@ -50,6 +50,17 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 MAX_REGEX_CHARS = 256  # a tenant-supplied pattern (target/exclude_modules, rank/alpha_pattern keys, layers_pattern)
 REGEX_BUDGET_SECONDS = 0.5  # all pattern matching of one adapter load together
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on the JSON header
+HEADER_ALLOWANCE = 64 * 1024  # header bytes allowed beyond HEADER_BYTES_PER_TENSOR per tensor (__metadata__)
+HEADER_BYTES_PER_TENSOR = 1024  # one tensor's entry (peft writes about 130 bytes)
+
+# init_lora_weights values whose weights are used as saved: peft leaves the base weights alone.
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+# init_lora_weights values with which peft rewrites the base weights (at load, or before training).
+CONVERTIBLE_INITS = ("pissa", "olora", "corda", "lora_ga")  # 'pissa_niter_<n>' and 'corda*' too
+CONVERSION_HINT = ("convert it to a plain LoRA adapter with peft: keep the adapter as saved right after "
+                   "initialization, before training, and save the trained one with "
+                   "save_pretrained(output_dir, path_initial_model_for_weight_conversion=<that folder>) "
+                   "(peft's PiSSA/CorDA/OLoRA/LoRA-GA to LoRA conversion; the rank doubles)")
 
 # Bytes per element of each safetensors dtype.
 DTYPE_SIZES = {
@@ -106,12 +117,24 @@ def looks_like_pickle(data: bytes) -> bool:
     return data[:4] == b"PK\x03\x04" or (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
-def check_safetensors_header(data: bytes) -> dict[str, dict]:
+def max_adapter_tensors(hf_config) -> int:
+    """Most tensors an adapter of this base model holds: lora_A and lora_B of every projection of every layer."""
+    return 2 * int(hf_config.num_hidden_layers) * len(MODULES)
+
+
+def max_header_bytes(max_tensors: int) -> int:
+    """Most bytes of a safetensors header listing at most ``max_tensors`` tensors (and a __metadata__)."""
+    return HEADER_ALLOWANCE + HEADER_BYTES_PER_TENSOR * max_tensors
+
+
+def check_safetensors_header(data: bytes, max_tensors: int | None = None) -> dict[str, dict]:
     """Check a safetensors file's header against its real size before any tensor is parsed.
 
     Returns the tensor entries (name -> {dtype, shape, data_offsets}); raises AdapterError
-    unless the header length is sane, the header is a JSON object, and the tensors' byte
-    ranges are in range, do not overlap, match dtype size x shape and cover the data exactly.
+    unless the header length is sane (at most max_header_bytes(max_tensors) when given, checked
+    before the JSON is parsed), the header is a JSON object of at most ``max_tensors`` tensors,
+    and the tensors have elements and byte ranges that are in range, do not overlap, match
+    dtype size x shape and cover the data exactly.
     """
     def bad(why: str) -> AdapterError:
         if looks_like_pickle(data):
@@ -124,6 +147,9 @@ def check_safetensors_header(data: bytes) -> dict[str, dict]:
     n = int.from_bytes(data[:8], "little")
     if n < 2 or n > MAX_HEADER_BYTES:
         raise bad(f"header length {n} is not between 2 and {MAX_HEADER_BYTES}")
+    if max_tensors is not None and n > max_header_bytes(max_tensors):
+        raise bad(f"header length {n} is more than an adapter of this base model needs "
+                  f"({max_header_bytes(max_tensors)} bytes for at most {max_tensors} tensors)")
     if 8 + n > len(data):
         raise bad(f"header length {n} runs past the end of the {len(data)}-byte file")
     try:
@@ -135,6 +161,9 @@ def check_safetensors_header(data: bytes) -> dict[str, dict]:
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise bad("__metadata__ must map strings to strings")
+    if max_tensors is not None and len(header) > max_tensors:
+        raise bad(f"the header lists {len(header)} tensors; an adapter of this base model has at most "
+                  f"{max_tensors} (lora_A and lora_B of each projection of each layer)")
     size = len(data) - 8 - n
     spans = []
     for tensor, entry in header.items():
@@ -145,6 +174,8 @@ def check_safetensors_header(data: bytes) -> dict[str, dict]:
             raise bad(f"tensor {tensor!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise bad(f"tensor {tensor!r}: shape must be a list of non-negative integers")
+        if math.prod(shape) == 0:
+            raise bad(f"tensor {tensor!r}: shape {shape} has no elements")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= size):
             raise bad(f"tensor {tensor!r}: data_offsets {offsets!r} are outside the {size} data bytes")
@@ -196,7 +227,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     shapes = module_shapes(hf_config)
     targeted = _targeted_modules(settings, num_layers, where, patterns)
     try:
-        check_safetensors_header(weights_bytes)
+        check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config))
     except AdapterError as exc:
         raise AdapterError(f"{where}: {exc}") from None
     try:
@@ -282,6 +313,7 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     for key, what in _UNSUPPORTED:
         if cfg.get(key):
             raise AdapterError(f"{where}: {what} is not supported")
+    _check_init(cfg.get("init_lora_weights", True), where)
 
     r = cfg.get("r", 8)
     if not _is_int(r) or r <= 0:
@@ -351,6 +383,30 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
         layers_to_transform=layers,
         layers_pattern=pattern or None,
     )
+
+
+def _check_init(init, where: str) -> None:
+    """Refuse init_lora_weights values with which peft serves an adapter on rewritten base weights."""
+    if any(init is plain if isinstance(plain, bool) else init == plain for plain in PLAIN_INITS):
+        return
+    shown = _json(init)
+    lowered = init.lower() if isinstance(init, str) else ""
+    if lowered == "loftq":
+        raise AdapterError(f"{where}: init_lora_weights={shown} is not supported: peft replaces the base model's "
+                           f"weights with a quantized residual when it loads a LoftQ adapter, and the adapter fits "
+                           f"only those weights (peft has no conversion of LoftQ adapters to plain LoRA)")
+    if lowered.startswith(("pissa", "corda")) or lowered in CONVERTIBLE_INITS:
+        raise AdapterError(f"{where}: init_lora_weights={shown} is not supported: with it peft rewrites the base "
+                           f"model's weights (subtracting the initial adapter), and the adapter fits only those "
+                           f"rewritten weights; {CONVERSION_HINT}")
+    raise AdapterError(f"{where}: init_lora_weights={shown} is not supported; accepted values: "
+                       f"{', '.join(map(_json, PLAIN_INITS))}")
+
+
+def _json(value) -> str:
+    """A config value as an error shows it: JSON, at most 80 characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 class _Patterns:

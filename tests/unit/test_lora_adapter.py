@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from tiny_llama import tiny_config
 from transformers import MistralConfig, Qwen2Config
 
-from loraplex.lora.adapter import AdapterError, LoraAdapter, check_safetensors_header, load_peft_adapter
+from loraplex.lora.adapter import (CONVERSION_HINT, AdapterError, LoraAdapter, check_safetensors_header,
+                                  load_peft_adapter, max_adapter_tensors, max_header_bytes)
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
 
 ALL = list(MODULES)
@@ -316,10 +317,17 @@ def test_targeted_module_without_tensors(good, hf_config, tmp_path):
     expect_error(folder, hf_config, "model.layers.0.self_attn.q_proj", "no lora_A / lora_B tensors")
 
 
+def swap_in(tensors: dict, key: str, value: torch.Tensor) -> None:
+    """Put a tensor in place of layer 1's down_proj pair: a full adapter stays within the tensor count bound."""
+    for kind in ("A", "B"):
+        del tensors[f"base_model.model.model.layers.1.mlp.down_proj.lora_{kind}.weight"]
+    tensors[key] = value
+
+
 def test_layer_index_out_of_range(good, hf_config, tmp_path):
     folder = copy_of(good, tmp_path)
     key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
-    edit_tensors(folder, lambda t: t.__setitem__(key, torch.zeros(4, 64)))
+    edit_tensors(folder, lambda t: swap_in(t, key, torch.zeros(4, 64)))
     expect_error(folder, hf_config, key, "layer 7", "2 layers")
 
 
@@ -333,7 +341,7 @@ def test_layer_index_out_of_range(good, hf_config, tmp_path):
 ])
 def test_unsupported_tensors(good, hf_config, tmp_path, key, fragment):
     folder = copy_of(good, tmp_path)
-    edit_tensors(folder, lambda t: t.__setitem__(key, torch.zeros(4, 64)))
+    edit_tensors(folder, lambda t: swap_in(t, key, torch.zeros(4, 64)))
     expect_error(folder, hf_config, key, fragment)
 
 
@@ -463,3 +471,117 @@ def test_catastrophic_regexes_time_out(good, hf_config, tmp_path, field, value):
     t0 = time.monotonic()
     expect_error(folder, hf_config, f"matching the {field} patterns took longer than 0.5 s")
     assert time.monotonic() - t0 < 3.0
+
+
+# the header bound: tensors an adapter of this base model may hold ----------------------
+
+
+def test_the_tensor_bound_is_two_per_projection_per_layer(hf_config):
+    assert max_adapter_tensors(hf_config) == 2 * 2 * 7 == 28
+    assert max_header_bytes(28) == 64 * 1024 + 28 * 1024
+
+
+def _zero_size_header(count: int) -> bytes:
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def test_a_header_longer_than_the_bound_is_refused_before_it_is_parsed(hf_config):
+    n = 112_891  # the length of 2,000 zero-size tensors' header; the bound is 94,208
+    assert int.from_bytes(_zero_size_header(2000)[:8], "little") == n
+    not_json = n.to_bytes(8, "little") + b"\xff" * n
+    with pytest.raises(AdapterError) as info:
+        check_safetensors_header(not_json, max_adapter_tensors(hf_config))
+    assert str(info.value) == (f"adapter_model.safetensors is not a valid safetensors file: header length {n} is "
+                               f"more than an adapter of this base model needs (94208 bytes for at most 28 tensors)")
+    with pytest.raises(AdapterError, match="header is not valid JSON"):  # without the bound it is parsed
+        check_safetensors_header(not_json)
+
+
+def test_more_tensors_than_the_model_has_room_for_are_refused_before_any_entry_is_checked(hf_config):
+    data = _zero_size_header(1000)  # 55,898 bytes: within the byte bound
+    with pytest.raises(AdapterError) as info:
+        check_safetensors_header(data, max_adapter_tensors(hf_config))
+    assert str(info.value) == ("adapter_model.safetensors is not a valid safetensors file: the header lists 1000 "
+                               "tensors; an adapter of this base model has at most 28 (lora_A and lora_B of each "
+                               "projection of each layer)")
+
+
+def test_a_full_adapter_plus_one_tensor_is_refused_by_the_count(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__("base_model.model.lm_head.lora_A.weight", torch.zeros(4, 64)))
+    assert expect_error(folder, hf_config) == (
+        "adapter 't': adapter_model.safetensors is not a valid safetensors file: the header lists 29 tensors; "
+        "an adapter of this base model has at most 28 (lora_A and lora_B of each projection of each layer)")
+
+
+def test_zero_element_tensors_are_refused(good, hf_config, tmp_path):
+    assert "zero" not in str(check_safetensors_header(_zero_size_header(0)))  # an empty header is well-formed
+    with pytest.raises(AdapterError) as info:
+        check_safetensors_header(_zero_size_header(1))
+    assert str(info.value) == ("adapter_model.safetensors is not a valid safetensors file: tensor 't0': "
+                               "shape [0] has no elements")
+    folder = copy_of(good, tmp_path)
+    edit_tensors(folder, lambda t: t.__setitem__(Q0_A, torch.zeros(0, 64)))
+    assert expect_error(folder, hf_config) == (
+        f"adapter 't': adapter_model.safetensors is not a valid safetensors file: tensor '{Q0_A}': "
+        f"shape [0, 64] has no elements")
+
+
+# init_lora_weights: peft rewrites the base weights for some values ----------------------
+
+REWRITING = "with it peft rewrites the base model's weights (subtracting the initial adapter), and the adapter " \
+            "fits only those rewritten weights; "
+
+
+@pytest.mark.parametrize("value", ["pissa", "pissa_niter_4", "olora", "corda", "lora_ga", "OLoRA"])
+def test_inits_that_rewrite_base_weights_are_refused_with_peft_conversion(good, hf_config, tmp_path, value):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, init_lora_weights=value)
+    assert expect_error(folder, hf_config) == (
+        f"adapter 't': init_lora_weights=\"{value}\" is not supported: {REWRITING}{CONVERSION_HINT}")
+    assert "save_pretrained(output_dir, path_initial_model_for_weight_conversion=<that folder>)" in CONVERSION_HINT
+
+
+def test_loftq_is_refused(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, init_lora_weights="loftq")
+    assert expect_error(folder, hf_config) == (
+        "adapter 't': init_lora_weights=\"loftq\" is not supported: peft replaces the base model's weights with a "
+        "quantized residual when it loads a LoftQ adapter, and the adapter fits only those weights (peft has no "
+        "conversion of LoftQ adapters to plain LoRA)")
+
+
+@pytest.mark.parametrize("value", ["nonsense", 1, None, "EVA"])
+def test_unknown_init_values_are_refused(good, hf_config, tmp_path, value):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, init_lora_weights=value)
+    assert expect_error(folder, hf_config) == (
+        f"adapter 't': init_lora_weights={json.dumps(value)} is not supported; accepted values: true, false, "
+        f"\"gaussian\", \"eva\", \"orthogonal\", \"mica\"")
+
+
+@pytest.mark.parametrize("value", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_inits_that_leave_base_weights_alone_are_accepted(good, hf_config, tmp_path, value):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, init_lora_weights=value)
+    ad, ref = load(folder, hf_config), load(good[0], hf_config)
+    assert ad.weights.keys() == ref.weights.keys()
+    assert all(torch.equal(ad.weights[k][0], ref.weights[k][0]) for k in ref.weights)
+
+
+@pytest.mark.parametrize("value,rewrites", [("pissa", True), ("olora", True), (True, False), (False, False),
+                                            ("gaussian", False), ("eva", False), ("orthogonal", False),
+                                            ("mica", False)])
+def test_peft_rewrites_the_base_weights_exactly_for_the_refused_values(good, base_model, tmp_path, value, rewrites):
+    """The oracle: peft's from_pretrained of the same adapter files, base weights before and after."""
+    from peft import PeftModel
+
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, init_lora_weights=value)
+    model = copy.deepcopy(base_model)
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    pm = PeftModel.from_pretrained(model, str(folder))
+    after = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach()
+    assert (not torch.equal(before, after)) == rewrites
