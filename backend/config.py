@@ -30,6 +30,9 @@ class EngineConfig:
     max_n: int = 16  # largest `n` (samples per request) accepted; also bounded by max_num_seqs
     max_logprobs: int = 20  # largest `logprobs` (top candidates per token) accepted, as vLLM's default
     max_waiting_requests: int = 4096  # requests accepted but not yet started; beyond it: UNAVAILABLE at once
+    tenant_queue_share: float = 0.5  # with a tenants file: part of max_waiting_requests kept for the tenants, by weight
+    max_prompt_bytes: int = 0  # text_input over this many UTF-8 bytes: INVALID_ARG before tokenizing; 0 = derived
+    admission_workers: int = 2  # threads that tokenize and queue requests (a tenant uses at most all but one)
     batching: str = "continuous"  # continuous | static (a batch keeps its shape until it ends) | static-shrink; for benchmarks
     admission_policy: str = "fcfs"  # fcfs | priority (lower `priority` first) | sjf (fewest max_tokens first, aged)
     sjf_aging_rate: float = 32.0  # sjf: max_tokens credited per second a request waits (0 = pure SJF)
@@ -69,6 +72,9 @@ class EngineConfig:
             (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (0 <= self.tenant_queue_share < 1, "tenant_queue_share must be in [0, 1)"),
+            (self.max_prompt_bytes >= 0, "max_prompt_bytes must be >= 0 (0 = derived from max_model_len)"),
+            (self.admission_workers >= 1, "admission_workers must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.batching in ("continuous", "static", "static-shrink"),

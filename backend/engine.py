@@ -30,9 +30,10 @@ from .models.llama import LlamaModel
 from .models.loader import load_hf_config
 from .output_processor import ErrorEvent, OutputProcessor
 from .request import (
-    EngineOverloaded, EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
+    EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
     SamplingParams, Sequence, SeqStatus,
 )
+from .prompt_bound import check_prompt_bytes, longest_token_bytes
 from .quotas import TenantQuotas
 from .sampler import make_generator
 from .scheduler import Scheduler
@@ -86,6 +87,7 @@ class LLMEngine:
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
                                 fp16_weights=config.weight_dtype == "float16")
         self.max_model_len = max_len
+        self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
         num_blocks = self._num_kv_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
@@ -105,7 +107,7 @@ class LLMEngine:
         self.preloader = AdapterPreloader(self.adapters.read, self._preloaded)
         self._loading: dict[str, Request] = {}  # request id -> request whose adapter the preloader reads
         self._cancelled_loading: set[str] = set()  # aborted while their adapter was being read
-        self.quotas = TenantQuotas()
+        self.quotas = TenantQuotas(config.max_waiting_requests, config.tenant_queue_share)
         self.tenant_labels = TenantLabels(config.max_metric_tenants)
         self.num_host_blocks = self._num_host_blocks()
         self.eos_token_ids = self._eos_ids(hf_config)
@@ -181,6 +183,7 @@ class LLMEngine:
         """
         if not prompt:
             raise InvalidRequest("text_input is empty")
+        check_prompt_bytes(prompt, self.max_prompt_bytes)
         ids = self.tokenizer(prompt).input_ids
         if not ids:
             raise InvalidRequest("text_input tokenizes to no tokens")
@@ -189,7 +192,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
                 f"{len(ids) + params.max_tokens} exceeds the model's max length {self.max_model_len}"
             )
-        self._check_limits(params)
+        self._check_limits(params, limits)
         bs, usable = self.config.block_size, self.kv_manager.num_blocks - self.scheduler.watermark_blocks
         need = -(-(len(ids) + params.max_tokens) // bs)
         if need > usable:
@@ -205,10 +208,13 @@ class LLMEngine:
         request.metric_label = self.tenant_labels.label(tenant, authenticated)
         return request
 
-    def _check_limits(self, params: SamplingParams) -> None:
-        """Bounds that depend on the engine: n, logprobs, stop token ids."""
+    def _check_limits(self, params: SamplingParams, limits: "Tenant | None" = None) -> None:
+        """Bounds that depend on the engine or the tenant: n, logprobs, stop token ids."""
         config = self.config
+        concurrent = limits.max_concurrent_requests if limits is not None else 0
         checks = [
+            (not concurrent or params.n <= concurrent,
+             f"n is {params.n} but the tenant's max_concurrent_requests is {concurrent} (sequences)"),
             (params.n <= config.max_n, f"n is {params.n} but at most {config.max_n} is allowed (max_n)"),
             (params.n <= config.max_num_seqs, f"n is {params.n} but max_num_seqs is {config.max_num_seqs}"),
             (params.logprobs is None or params.logprobs <= config.max_logprobs,
@@ -221,17 +227,11 @@ class LLMEngine:
                 raise InvalidRequest(message)
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request; raises EngineOverloaded when max_waiting_requests are already waiting,
-        or QuotaExceeded over the tenant's max_queued_requests or tokens_per_minute."""
+        """Queue a validated request; raises EngineOverloaded when the waiting queue has no place for its tenant
+        (backend/queue_share.py), or QuotaExceeded over the tenant's max_queued_requests or tokens_per_minute."""
         with self._accept_lock:
             if self._closed:
                 raise EngineShuttingDown("the model is shutting down; retry on another replica")
-            waiting = self.num_waiting_requests()
-            if waiting >= self.config.max_waiting_requests:
-                raise EngineOverloaded(
-                    f"server overloaded: {waiting} requests are waiting "
-                    f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
-                )
             self.quotas.accept(request)
             self._num_accepted += 1
             self.stats.accept(request)
@@ -468,7 +468,7 @@ class LLMEngine:
                         self.stats.first_token(request, now)
                     request.last_token_time = now
                     request.token_steps += 1
-                if request.limits is not None:
+                if request.limits is not None and request.limits.tokens_per_minute:
                     served(request, 1)
             logprobs = None
             if request.params.logprobs is not None:
@@ -516,7 +516,7 @@ class LLMEngine:
         if not request.count_pending:
             self._count_end(request, counted)
         self.stats.end(request, reason, exc, time.monotonic())
-        self.quotas.started(request)  # never started: it no longer counts as queued
+        self.quotas.ended(request)  # its queue place if it never started; the tokens it reserved and did not use
         if request.holds_version:
             request.holds_version = False
             self.versions.done(request)

@@ -237,6 +237,8 @@ class Request:
     adapter_path: str | None = None  # folder of the uploaded version it resolved to (None: a shared adapter)
     metric_label: str = "default"  # the tenant as metrics show it (bounded cardinality)
     queued: bool = False  # counted in its tenant's max_queued_requests (accepted, not yet started)
+    borrowed: bool = False  # queued in the shared part of the waiting queue, not its tenant's own (queue_share)
+    reserved_tokens: int = 0  # of its tokens_per_minute reservation, the generated tokens not yet served
     holds_version: bool = False  # counted as a user of its uploaded adapter version (AdapterVersions)
     preloaded: Any = None  # its adapter read off the loop thread (AdapterPreloader), until admission adopts it
     scheduled_time: float | None = None  # first admitted (metrics: queue time; None: never started)

@@ -7,8 +7,9 @@ import pytest
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions, tenant_key
 from loraplex.lora.manager import AdapterNotFound
 from loraplex.metrics import OTHER_TENANTS, TenantLabels
+from loraplex.queue_share import QueueFull
 from loraplex.quotas import WINDOW_SECONDS, QuotaExceeded, TenantQuotas
-from loraplex.request import Request, SamplingParams
+from loraplex.request import EngineOverloaded, InvalidRequest, Request, SamplingParams
 from loraplex.tenancy import Tenant
 
 
@@ -20,8 +21,8 @@ class Clock:
         return self.now
 
 
-def request(tenant="acme", prompt_tokens=10, limits=None, lora=None, key=None, path=None):
-    params = SamplingParams(lora_name=lora) if lora else SamplingParams()
+def request(tenant="acme", prompt_tokens=10, limits=None, lora=None, key=None, path=None, n=1, max_tokens=16):
+    params = SamplingParams(n=n, max_tokens=max_tokens, lora_name=lora)
     return Request(f"r-{id(params)}", "", [1] * prompt_tokens, params, tenant, limits=limits, adapter_key=key,
                    adapter_path=path)
 
@@ -51,29 +52,120 @@ def test_queue_state_is_dropped_when_a_tenant_holds_nothing():
     assert quotas.tracked_tenants() == 0
 
 
-def test_tokens_per_minute_counts_prompt_and_generated_tokens_over_a_sliding_minute():
+def test_tokens_per_minute_reserves_prompt_plus_n_max_tokens_at_acceptance():
     clock = Clock()
-    quotas, limits = TenantQuotas(clock), Tenant("acme", b"k", tokens_per_minute=40)
-    first = request(prompt_tokens=30, limits=limits)
+    quotas, limits = TenantQuotas(clock=clock), Tenant("acme", b"k", tokens_per_minute=100)
+    first = request(prompt_tokens=10, limits=limits, n=2, max_tokens=20)  # may use 10 + 2 x 20 = 50
     quotas.accept(first)
-    quotas.accept(request(prompt_tokens=5, limits=limits))  # 35 < 40: still accepted
-    quotas.served(first, 5)
-    with pytest.raises(QuotaExceeded, match=r"tokens_per_minute=40 \(40 tokens served in the last 60 s\)"):
-        quotas.accept(request(prompt_tokens=1, limits=limits))
-    clock.now += WINDOW_SECONDS - 1
-    with pytest.raises(QuotaExceeded):
-        quotas.accept(request(prompt_tokens=1, limits=limits))
-    clock.now += 1.5  # the first second's tokens leave the window
-    quotas.accept(request(prompt_tokens=100, limits=limits))  # the request that crosses the limit is served
+    assert (quotas.used("acme"), quotas.outstanding("acme"), first.reserved_tokens) == (50, 40, 40)
+    quotas.accept(request(prompt_tokens=10, limits=limits, max_tokens=40))  # 50 + 50 = 100: fits exactly
+    with pytest.raises(QuotaExceeded) as err:
+        quotas.accept(request(prompt_tokens=1, limits=limits, max_tokens=1))
+    assert str(err.value) == ("tenant quota exceeded: tokens_per_minute=100 (100 tokens served or reserved in the "
+                              "last 60 s, this request may use 2); retry later")
+    quotas.served(first, 5)  # generated tokens move from the reservation into the window: no change in use
+    assert (quotas.used("acme"), quotas.outstanding("acme"), first.reserved_tokens) == (100, 75, 35)
+    quotas.ended(first)  # it stopped after 5 of its 40: the other 35 come back at once
+    assert (quotas.used("acme"), quotas.outstanding("acme"), first.reserved_tokens) == (65, 40, 0)
+    quotas.ended(first)  # once only
+    assert quotas.used("acme") == 65
+    quotas.accept(request(prompt_tokens=5, limits=limits, max_tokens=30))
+    clock.now += WINDOW_SECONDS + 1  # served tokens leave the window; reservations stay until their requests end
+    assert quotas.used("acme") == 70 and quotas.outstanding("acme") == 70
+
+
+def test_a_request_that_could_never_fit_tokens_per_minute_is_invalid():
+    quotas, limits = TenantQuotas(clock=Clock()), Tenant("acme", b"k", tokens_per_minute=1000)
+    with pytest.raises(InvalidRequest) as err:
+        quotas.accept(request(prompt_tokens=10, limits=limits, n=16, max_tokens=8190))
+    assert str(err.value) == ("the request may use 131050 tokens (prompt 10 + n 16 x max_tokens 8190), more than "
+                              "the tenant's tokens_per_minute=1000; lower max_tokens or n")
+    assert quotas.used("acme") == 0 and quotas.queued("acme") == 0
+
+
+def test_a_token_served_after_its_request_ended_still_counts():
+    quotas, limits = TenantQuotas(clock=Clock()), Tenant("acme", b"k", tokens_per_minute=100)
+    r = request(prompt_tokens=4, limits=limits, n=2, max_tokens=1)
+    quotas.accept(r)
+    quotas.served(r, 1)
+    quotas.ended(r)  # both samples finished in one step: the request ends before the second token is counted
+    quotas.served(r, 1)
+    assert (quotas.used("acme"), quotas.outstanding("acme")) == (6, 0)
 
 
 def test_a_refused_request_counts_nothing():
-    quotas, limits = TenantQuotas(Clock()), Tenant("acme", b"k", max_queued_requests=1, tokens_per_minute=10)
+    quotas, limits = TenantQuotas(clock=Clock()), Tenant("acme", b"k", max_queued_requests=1, tokens_per_minute=100)
     quotas.accept(request(prompt_tokens=20, limits=limits))
     refused = request(limits=limits)
     with pytest.raises(QuotaExceeded):
         quotas.accept(refused)
-    assert not refused.queued and quotas.queued("acme") == 1
+    assert not refused.queued and refused.reserved_tokens == 0 and quotas.queued("acme") == 1
+    assert quotas.used("acme") == 36
+
+
+# ---- the queue share -------------------------------------------------------------------------------
+def authenticated(name, weight=1.0, total=2.0):
+    return Tenant(name, b"k-" + name.encode(), weight=weight, queue_fraction=weight / total)
+
+
+def test_a_flood_fills_its_part_and_the_shared_part_then_only_the_flooder_is_refused():
+    quotas = TenantQuotas(max_waiting_requests=8, tenant_queue_share=0.5)  # 4 reserved: 2 each; 4 shared
+    acme, globex = authenticated("acme"), authenticated("globex")
+    flood = [request("acme", limits=acme) for _ in range(6)]  # its 2, then the 4 shared places
+    for r in flood:
+        quotas.accept(r)
+    assert [r.borrowed for r in flood] == [False, False, True, True, True, True]
+    with pytest.raises(QueueFull) as err:
+        quotas.accept(request("acme", limits=acme))
+    assert str(err.value) == ("tenant quota exceeded: 6 requests of this tenant are waiting, its share of the queue "
+                              "is 2 (max_waiting_requests=8) and the shared part is full; retry later")
+    mine = [request("globex", limits=globex) for _ in range(2)]
+    for r in mine:
+        quotas.accept(r)  # below its part: accepted though the queue "looks full"
+    with pytest.raises(QueueFull):
+        quotas.accept(request("globex", limits=globex))  # over its part, and nothing shared is free
+    assert quotas.share.total() == 8  # never more than max_waiting_requests
+    quotas.started(flood[5])  # a shared place frees: anyone over its part may take it
+    quotas.accept(request("globex", limits=globex))
+    quotas.started(flood[0])  # acme's own place frees: only acme's next request may use it
+    with pytest.raises(QueueFull):
+        quotas.accept(request("globex", limits=globex))
+    quotas.accept(request("acme", limits=acme))
+    assert quotas.share.total() == 8 and quotas.share.borrowed == 4
+
+
+def test_queue_parts_follow_weights_and_every_tenant_has_at_least_one_place():
+    share = TenantQuotas(max_waiting_requests=100, tenant_queue_share=0.5).share
+    assert share.part(request("a", limits=authenticated("a", 3, 4))) == 37  # floor(50 x 3/4)
+    assert share.part(request("b", limits=authenticated("b", 1, 4))) == 12
+    assert share.part(request("c", limits=authenticated("c", 1, 1000))) == 1
+    assert share.shared(request("a", limits=authenticated("a", 3, 4))) == 50
+
+
+def test_development_mode_keeps_the_plain_global_bound():
+    quotas = TenantQuotas(max_waiting_requests=2, tenant_queue_share=0.5)
+    quotas.accept(request("t1"))
+    quotas.accept(request("t2", limits=Tenant("t2", b"")))
+    with pytest.raises(EngineOverloaded) as err:
+        quotas.accept(request("t3"))
+    assert type(err.value) is EngineOverloaded
+    assert str(err.value) == "server overloaded: 2 requests are waiting (max_waiting_requests=2); retry later"
+
+
+def test_queue_state_is_exact_whatever_order_requests_leave_in():
+    quotas = TenantQuotas(max_waiting_requests=6, tenant_queue_share=0.5)
+    acme = authenticated("acme", 1, 1)  # part 3, 3 shared
+    reqs = [request("acme", limits=acme) for _ in range(6)]
+    for r in reqs:
+        quotas.accept(r)
+    for r in reversed(reqs[:4]):  # two borrowed, two own places leave, newest first
+        quotas.ended(r)
+    assert (quotas.share.total(), quotas.share.borrowed) == (2, 2)
+    quotas.accept(request("acme", limits=acme))  # below its part again: an own place
+    assert quotas.share.borrowed == 2 and quotas.share.own == {"acme": 1}
+    for r in reqs[4:]:
+        quotas.started(r)
+    assert quotas.share.borrowed == 0 and quotas.share.waiting == {"acme": 1} == quotas.share.own
 
 
 # ---- metric labels ---------------------------------------------------------------------------------
