@@ -218,13 +218,15 @@ class Launcher:
             self.proc.wait()
 
 
-def start_launcher(tmp: Path, model_dir: str | os.PathLike, extra_args: Sequence[str] = ()) -> Launcher:
-    """``loraplex-serve --quiet`` on free ports with ``model_dir`` and an empty adapter store in ``tmp``."""
+def start_launcher(tmp: Path, model_dir: str | os.PathLike, extra_args: Sequence[str] = (),
+                   address: str | None = "127.0.0.1", env: Mapping[str, str] | None = None) -> Launcher:
+    """``loraplex-serve --quiet`` on free ports with ``model_dir`` and an empty adapter store in ``tmp``
+    (``address`` None: the launcher's own default; ``env``: more environment variables)."""
     http, grpc, metrics = free_ports(3)
     cmd = [str(Path(sys.executable).with_name("loraplex-serve")), "--quiet", "--model-dir", str(model_dir),
-           "--adapter-store", str(tmp / "adapters"), "--address", "127.0.0.1",
+           "--adapter-store", str(tmp / "adapters"), *(["--address", address] if address else []),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), *extra_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     out, err = tmp / "serve.out", tmp / "serve.err"
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
