@@ -1,41 +1,49 @@
-"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /health."""
+"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Requests pass ``intake.Intake`` first (request id, bounded body, cancel on disconnect); bodies are
+parsed here against ``Limits``; chat templates render on the ``RenderPool``, never on the loop.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatRenderer
-from .errors import OpenAIError, bad_request, unavailable
+from .errors import OpenAIError, bad_request, internal_error, unavailable
 from .generation import Generation
+from .intake import Intake, on_close, request_id
+from .limits import Limits
+from .offload import RenderPool
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
                         completion_choice, new_id, role_chunk_choice, sse)
 from .triton_stream import TritonClient
 
 log = logging.getLogger("loraplex.openai")
-DISCONNECT_POLL_SECONDS = 0.5
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away (nobody reads it)
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass
 class Settings:
-    """What the gateway serves and where Triton is."""
+    """What the gateway serves, where Triton is, and what one request may cost."""
 
     triton_url: str
     base_model: str  # the id of the base model in /v1/models and ``model``
     model_dir: str | None = None  # the checkpoint whose tokenizer renders chat prompts
     default_max_tokens: int = 512  # chat requests without max_tokens / max_completion_tokens
     max_model_len: int | None = None  # caps that default at the context left after the prompt
+    limits: Limits = field(default_factory=Limits)
 
 
 def identity_headers(request: Request) -> dict[str, str]:
@@ -56,8 +64,7 @@ def _error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _validation_message(errors: list) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     first = errors[0]
@@ -66,11 +73,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
 
 
-class Gateway:
-    """The routes' shared state: Triton, the chat renderer, the settings."""
+async def parse_body(request: Request, model: type[Body], limits: Limits) -> Body:
+    """The request's JSON body as ``model``, checked against ``limits``; 400 naming the first bad field."""
+    try:
+        data = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        raise bad_request("the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        return model.model_validate(data, context=limits)
+    except ValidationError as exc:
+        raise bad_request(*_validation_message(exc.errors())) from None
 
-    def __init__(self, settings: Settings, triton: TritonClient, renderer: ChatRenderer | None):
+
+class Gateway:
+    """The routes' shared state: Triton, the chat renderer and its pool, the settings."""
+
+    def __init__(self, settings: Settings, triton: TritonClient, renderer: ChatRenderer | None,
+                 pool: RenderPool | None = None):
         self.settings, self.triton, self.renderer = settings, triton, renderer
+        limits = settings.limits
+        self.pool = pool or RenderPool(limits.render_threads, limits.render_timeout_s)
         self.created = int(time.time())
 
     def lora_name(self, model: str | None) -> str | None:
@@ -81,13 +105,17 @@ class Gateway:
             raise bad_request("model is empty", "model")
         return model
 
-    def start(self, body: SamplingFields, prompts: list[str], params: dict, headers: dict,
+    def start(self, request: Request, body: SamplingFields, prompts: list[str], params: dict,
               logprobs: bool) -> Generation:
-        """One lora_llm stream per prompt."""
+        """One lora_llm stream per prompt, cancelled when the HTTP request ends."""
         lora = self.lora_name(body.model)
         if lora is not None:
             params = {**params, "lora_name": lora}
-        return Generation([self.triton.generate(p, params, headers, logprobs) for p in prompts])
+        rid, headers = request_id(request.scope), identity_headers(request)
+        generation = Generation([self.triton.generate(p, params, headers, logprobs, f"{rid}-{i}")
+                                 for i, p in enumerate(prompts)], rid)
+        on_close(request.scope, generation.cancel)
+        return generation
 
     async def models(self, headers: dict) -> dict:
         """vLLM's /v1/models: the base model, then each adapter with the base as ``parent``."""
@@ -98,25 +126,15 @@ class Gateway:
         data += [{"id": name, **card, "root": name, "parent": base} for name in adapters]
         return {"object": "list", "data": data}
 
-    def chat_max_tokens(self, prompt: str) -> int:
-        """The default max_tokens of a chat request: the setting, within the context left."""
-        limit = self.settings.default_max_tokens
-        if self.settings.max_model_len and self.renderer is not None:
-            used = len(self.renderer.tokenizer(prompt).input_ids)
-            limit = max(1, min(limit, self.settings.max_model_len - used))
-        return limit
-
-
-async def _until_disconnected(request: Request, work: asyncio.Future, generation: Generation):
-    """``work``'s result; if the client goes away first, cancel it and its streams."""
-    while True:
-        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_SECONDS)
-        if done:
-            return work.result()
-        if await request.is_disconnected():
-            work.cancel()
-            generation.cancel()
-            return None
+    async def chat_prompt(self, body: ChatCompletionRequest, params: dict) -> str:
+        """The chat's prompt text, rendered on the pool; sets ``params``' default max_tokens when it has none."""
+        context = self.settings.max_model_len if "max_tokens" not in params else None
+        text, used = await self.pool.run(self.renderer.prompt, body.messages, body.add_generation_prompt,
+                                         body.chat_template_kwargs, context)
+        if "max_tokens" not in params:
+            limit = self.settings.default_max_tokens
+            params["max_tokens"] = max(1, min(limit, context - used)) if used is not None else limit
+        return text
 
 
 async def _collect(generation: Generation, tally: Tally) -> Tally:
@@ -132,6 +150,9 @@ def _event_stream(events: AsyncIterator[str], generation: Generation) -> Streami
                 yield event
         except OpenAIError as exc:  # after the 200: OpenAI's clients read an error event
             yield sse(exc.body())
+        except Exception:  # noqa: BLE001 - logged; the client gets the request id only
+            log.exception("request %s failed while streaming", generation.request_id)
+            yield sse(internal_error(generation.request_id).body())
         finally:
             generation.cancel()
         yield sse("[DONE]")
@@ -146,14 +167,17 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
     if renderer is None and settings.model_dir:
         renderer = ChatRenderer(settings.model_dir)
     gw = Gateway(settings, triton, renderer)
+    limits = settings.limits
 
     @asynccontextmanager
     async def lifespan(app):
         yield
+        gw.pool.close()
         await triton.close()
 
     app = FastAPI(title="loraplex-openai", lifespan=lifespan)
     app.state.gateway = gw
+    app.add_middleware(Intake, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request, exc: OpenAIError):
@@ -161,8 +185,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return _error_response(bad_request(message, param))
+        return _error_response(bad_request(*_validation_message(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -170,29 +193,34 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         return _error_response(OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                            kind))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        rid = request_id(request.scope)
+        log.error("request %s failed", rid, exc_info=exc)
+        return _error_response(internal_error(rid))
+
     @app.get("/health")
     async def health():
         if await triton.ready():
             return Response(status_code=200)
-        return _error_response(unavailable(f"lora_llm on Triton at {settings.triton_url} is not ready"))
+        return _error_response(unavailable("lora_llm is not ready"))
 
     @app.get("/v1/models")
     async def models(request: Request):
         return await gw.models(identity_headers(request))
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest, limits)
         prompts, params = body.prompts(), body.sampling_parameters()
+        limits.check_choices(len(prompts), body.n)
         top = body.logprobs
-        generation = gw.start(body, prompts, params, identity_headers(request), top is not None)
+        generation = gw.start(request, body, prompts, params, top is not None)
         await generation.start()
         env = Envelope(new_id("cmpl"), body.model or settings.base_model, "text_completion")
         tally = Tally(len(prompts), body.n)
         if not body.stream:
-            work = asyncio.ensure_future(_collect(generation, tally))
-            if await _until_disconnected(request, work, generation) is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return completion_body(env, tally, top, prompts if body.echo else None)
+            return completion_body(env, await _collect(generation, tally), top, prompts if body.echo else None)
         usage_field = {"usage": None} if body.include_usage() else {}
         offsets = CompletionOffsets(len(prompts) * body.n)
 
@@ -212,24 +240,21 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         return _event_stream(events(), generation)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
+    async def chat_completions(request: Request):
         if renderer is None:
             raise bad_request("this gateway has no tokenizer for chat templates (start it with --model-dir)",
                               "messages")
-        prompt = renderer.render([m.as_template_input() for m in body.messages], body.add_generation_prompt,
-                                 body.chat_template_kwargs)
-        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_parameters(gw.chat_max_tokens(prompt) if given is None else None)
+        body = await parse_body(request, ChatCompletionRequest, limits)
+        params = body.sampling_parameters(None)
+        limits.check_choices(1, body.n)
+        prompt = await gw.chat_prompt(body, params)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        generation = gw.start(body, [prompt], params, identity_headers(request), top is not None)
+        generation = gw.start(request, body, [prompt], params, top is not None)
         await generation.start()
         env = Envelope(new_id("chatcmpl"), body.model or settings.base_model, "chat.completion")
         tally = Tally(1, body.n)
         if not body.stream:
-            work = asyncio.ensure_future(_collect(generation, tally))
-            if await _until_disconnected(request, work, generation) is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return chat_body(env, tally, top)
+            return chat_body(env, await _collect(generation, tally), top)
         env.object = "chat.completion.chunk"
         usage_field = {"usage": None} if body.include_usage() else {}
 

@@ -12,6 +12,9 @@ import os
 import sys
 from pathlib import Path
 
+from .limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, RENDER_QUEUE_PER_THREAD, RENDER_THREADS,
+                     RENDER_TIMEOUT_S, Limits)
+
 MODEL_DIR_ENV = "LORAPLEX_MODEL_DIR"
 GRACEFUL_SHUTDOWN_SECONDS = 5  # open streams get this long after SIGTERM, then they are cut
 
@@ -52,8 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
                          "completions default to 16, as OpenAI's")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context length used for that cap (default: config.json max_position_embeddings)")
+    limits = ap.add_argument_group("limits", "what one request may cost the gateway (docs/openai.md, Limits)")
+    limits.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help="request bodies over this many bytes are refused with 413 while they are read")
+    limits.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
+                        help="chat messages per request (more: 400)")
+    limits.add_argument("--max-choices", type=int, default=MAX_CHOICES,
+                        help="prompts x n of one request (more: 400)")
+    limits.add_argument("--render-threads", type=int, default=RENDER_THREADS,
+                        help="threads that render chat templates and count prompt tokens (off the event loop); "
+                             f"{RENDER_QUEUE_PER_THREAD} jobs per thread may wait, more get 503")
+    limits.add_argument("--render-timeout", type=float, default=RENDER_TIMEOUT_S,
+                        help="seconds a chat prompt may take to render, queueing included (over it: 503)")
     ap.add_argument("--log-level", default="info", help="uvicorn log level")
     return ap
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The Limits the flags set; exits with a message when one is not positive."""
+    values = {"max_body_bytes": args.max_body_bytes, "max_messages": args.max_messages,
+              "max_choices": args.max_choices, "render_threads": args.render_threads,
+              "render_timeout_s": args.render_timeout}
+    for name, value in values.items():
+        if not value > 0:
+            raise SystemExit(f"loraplex-openai: --{name.removesuffix('_s').replace('_', '-')} must be > 0")
+    return Limits(**values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=str(Path(model_dir).resolve()) if model_dir else None,
         default_max_tokens=args.default_max_tokens,
         max_model_len=args.max_model_len or (context_length(model_dir) if model_dir else None),
+        limits=limits_from(args),
     )
     try:
         app = create_app(settings)

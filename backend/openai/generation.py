@@ -8,10 +8,13 @@ inside a 200 stream. ``cancel()`` ends every stream still open (their gRPC calls
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator
 
-from .errors import OpenAIError
+from .errors import OpenAIError, internal_error
 from .triton_stream import Delta
+
+log = logging.getLogger("loraplex.openai")
 
 END = None  # a stream's last item
 
@@ -19,8 +22,8 @@ END = None  # a stream's last item
 class Generation:
     """The merged deltas of one request's streams: ``(prompt index, Delta)``."""
 
-    def __init__(self, streams: list[AsyncIterator[Delta]]):
-        self.streams = streams
+    def __init__(self, streams: list[AsyncIterator[Delta]], request_id: str = "-"):
+        self.streams, self.request_id = streams, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.buffer: list[tuple[int, Delta | None]] = []
@@ -32,9 +35,9 @@ class Generation:
             self.queue.put_nowait((index, END))
         except OpenAIError as exc:
             self.queue.put_nowait((index, exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500, never lost
-            self.queue.put_nowait((index, OpenAIError(500, f"gateway error: {exc!r}", "server_error", None,
-                                                      "internal_error")))
+        except Exception:  # noqa: BLE001 - a 500 with the request id for the client, the details in the log
+            log.exception("request %s: stream %d failed", self.request_id, index)
+            self.queue.put_nowait((index, internal_error(self.request_id)))
 
     async def _next(self) -> tuple[int, Delta | None]:
         index, item = await self.queue.get()

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import bad_request
+from .limits import Limits
+from .template_inputs import template_variables
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (and vLLM's)
+DEFAULT_LIMITS = Limits()
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    """The limits ``model_validate(..., context=limits)`` was given (the defaults otherwise)."""
+    return info.context if isinstance(info.context, Limits) else DEFAULT_LIMITS
+
+
+def _refused(message: str) -> PydanticCustomError:
+    return PydanticCustomError("refused", message)
 
 
 class StreamOptions(BaseModel):
@@ -90,6 +103,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompts(cls, value: Any, info: ValidationInfo) -> Any:
+        """A list of prompts is counted before its items are validated."""
+        bound = _limits(info).max_choices
+        if isinstance(value, list) and len(value) > bound:
+            raise _refused(f"{len(value)} prompts; at most {bound} per request")
+        return value
+
     def prompts(self) -> list[str]:
         """The text prompts (a batch is a list of strings); token-id prompts are refused."""
         if isinstance(self.prompt, str):
@@ -150,9 +172,37 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    # vLLM's extras for the template
+    # vLLM's extras for the template (a request-supplied template is refused: template_inputs.py)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, value: Any, info: ValidationInfo) -> Any:
+        """The messages are counted before each is validated."""
+        bound = _limits(info).max_messages
+        if isinstance(value, list) and len(value) > bound:
+            raise _refused(f"{len(value)} messages; at most {bound} per request")
+        return value
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _no_template(cls, value: Any) -> None:
+        """A request never supplies a chat template."""
+        if value is not None:
+            raise _refused("a request cannot supply a chat template; the server renders chats with the served "
+                           "model's own template")
+        return None
+
+    @field_validator("chat_template_kwargs", mode="after")
+    @classmethod
+    def _allowed_variables(cls, value: dict[str, Any] | None) -> dict[str, Any]:
+        """Only the allow-listed template variables, with scalar values."""
+        try:
+            return template_variables(value)
+        except ValueError as exc:
+            raise _refused(str(exc)) from None
 
     def sampling_parameters(self, default_max_tokens: int | None) -> dict[str, Any]:
         """lora_llm's sampling_parameters; ``default_max_tokens`` applies when neither max field is given."""

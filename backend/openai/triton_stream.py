@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ast
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -21,7 +22,9 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from loraplex.clients.generate import decode_response
 
-from .errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton
+from .errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton, internal_error
+
+log = logging.getLogger("loraplex.openai")
 
 MODEL = "lora_llm"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -60,9 +63,10 @@ def _tensor(name: str, value) -> service_pb2.ModelInferRequest.InferInputTensor:
     return tensor
 
 
-def build_request(prompt: str, params: dict, logprobs: bool, model: str = MODEL) -> service_pb2.ModelInferRequest:
+def build_request(prompt: str, params: dict, logprobs: bool, model: str = MODEL,
+                  request_id: str | None = None) -> service_pb2.ModelInferRequest:
     """A streaming vllm_backend-style request: deltas, no echo, finish reasons and token counts."""
-    request = service_pb2.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id or uuid.uuid4().hex)
     request.inputs.extend([
         _tensor("text_input", prompt), _tensor("stream", True), _tensor("exclude_input_in_output", True),
         _tensor("sampling_parameters", json.dumps(params)), _tensor("return_finish_reason", True),
@@ -121,13 +125,14 @@ class TritonClient:
             return False
 
     async def generate(self, prompt: str, params: dict, headers: dict[str, str],
-                       logprobs: bool = False) -> AsyncIterator[Delta]:
+                       logprobs: bool = False, request_id: str | None = None) -> AsyncIterator[Delta]:
         """The deltas of one request until its final response; raises OpenAIError on any error.
 
         Leaving early (the consumer closes or is cancelled) cancels the gRPC call, so Triton
-        cancels the request.
+        cancels the request. ``request_id`` is Triton's id of it (the gateway's, one per prompt).
         """
-        request = build_request(prompt, params, logprobs, self.model)
+        request = build_request(prompt, params, logprobs, self.model, request_id)
+        rid = request.id
         sent = asyncio.Event()
 
         async def requests():
@@ -140,7 +145,7 @@ class TritonClient:
             async for response in call:
                 if response.error_message:
                     finished = True
-                    raise from_triton(response.error_message)
+                    raise from_triton(response.error_message, rid)
                 outputs = decode_response(InferResult(response.infer_response)) if response.infer_response.outputs else {}
                 if outputs:
                     yield Delta.from_outputs(outputs)
@@ -152,7 +157,7 @@ class TritonClient:
                               "service_unavailable_error", None, "service_unavailable")
         except grpc.aio.AioRpcError as exc:
             finished = True
-            raise from_rpc(exc, self.url) from None
+            raise from_rpc(exc, rid) from None
         finally:
             sent.set()
             if not finished:
@@ -167,5 +172,5 @@ class TritonClient:
             if exc.status == 404:
                 return parse_adapter_list(exc.message)
             raise
-        raise OpenAIError(500, f"lora_llm served the probe adapter {PROBE_ADAPTER!r}; cannot list adapters",
-                          "server_error", None, "internal_error")
+        log.error("lora_llm served the probe adapter %r; cannot list adapters", PROBE_ADAPTER)
+        raise internal_error("-")

@@ -1,0 +1,418 @@
+"""The gateway's bounds and hostile-input controls, on a real uvicorn with a fake Triton behind it.
+
+Bodies (413 while read), messages and choices (400 before their items are validated), template
+inputs (no request-supplied template; allow-listed variables), the render pool (off the event loop,
+a time bound, a bounded queue), cancel-on-disconnect (before the first token, mid-stream, non-streamed)
+and error texts (no addresses, paths or exception reprs; a request id instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from loraplex.openai.app import Settings, create_app
+from loraplex.openai.chat import ChatRenderer
+from loraplex.openai.errors import client_text, from_rpc, from_triton
+from loraplex.openai.limits import Limits
+from loraplex.openai.offload import RenderPool
+from loraplex.openai.protocol import ChatCompletionRequest
+from loraplex.openai.template_inputs import TEMPLATE_VARIABLES
+from loraplex.openai.triton_stream import Delta
+from loraplex.tritonserver import free_ports
+
+LIMITS = Limits(max_body_bytes=64 * 1024, max_messages=8, max_choices=6, render_threads=2, render_timeout_s=1.0)
+MESSAGES = [{"role": "user", "content": "Hi"}]
+SLOW = "SLOW"  # a message with this content renders in SLOW_S (the fake renderer)
+SLOW_S = 3.0
+
+
+class FakeTriton:
+    """lora_llm's stand-in: answers at once, never answers a HANG prompt, streams a STREAM one; records cancels."""
+
+    def __init__(self):
+        self.started, self.cancelled, self.failure = [], [], None
+
+    async def ready(self):
+        return True
+
+    async def close(self):
+        pass
+
+    async def visible_adapters(self, headers):
+        return []
+
+    async def generate(self, prompt, params, headers, logprobs=False, request_id=None):
+        self.started.append(request_id)
+        try:
+            if self.failure is not None:
+                raise self.failure
+            if "HANG" in prompt:
+                await asyncio.sleep(3600)
+            if "STREAM" in prompt:
+                for _ in range(3600):
+                    yield Delta(["x"], [1], [None], 3)
+                    await asyncio.sleep(0.05)
+            yield Delta([f"echo:{params.get('max_tokens')}"], [1], ["stop"], 3)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+
+class SlowRenderer(ChatRenderer):
+    """The demo tokenizer, but a message 'SLOW' takes SLOW_S to render (a thread that cannot be stopped)."""
+
+    slow_running = 0
+
+    def render(self, messages, add_generation_prompt=True, template_kwargs=None):
+        if any(m["content"] == SLOW for m in messages):
+            SlowRenderer.slow_running += 1
+            time.sleep(SLOW_S)
+            SlowRenderer.slow_running -= 1
+        return super().render(messages, add_generation_prompt, template_kwargs)
+
+
+@pytest.fixture(scope="module")
+def served(demo):
+    """(base URL, FakeTriton) of a gateway on uvicorn in a thread, with LIMITS."""
+    import uvicorn
+
+    (port,) = free_ports(1)
+    triton = FakeTriton()
+    settings = Settings(triton_url="unused:1", base_model="model", model_dir=str(demo["model"]),
+                        max_model_len=1024, limits=LIMITS)
+    app = create_app(settings, triton=triton, renderer=SlowRenderer(demo["model"]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield url, triton
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def post(url, path, body, **kw):
+    return requests.post(f"{url}{path}", json=body, timeout=kw.pop("timeout", 30), **kw)
+
+
+def error_of(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, code), error
+    return error
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+    return time.monotonic() - (deadline - timeout)
+
+
+def raw(url) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def read_response(sock) -> tuple[int, bytes]:
+    """Status and bytes of a response the server ends by closing the connection."""
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split(b" ", 2)[1]), data
+
+
+# ---- bodies ----------------------------------------------------------------------------------------------
+def test_a_declared_oversize_body_is_413_before_any_of_it_is_read(served):
+    url, triton = served
+    sock = raw(url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 104857600\r\n\r\n")  # 100 MiB announced, none sent
+    status, data = read_response(sock)
+    sock.close()
+    assert status == 413 and b"x-request-id: " in data.lower()
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_chunked_body_is_cut_off_once_it_passes_the_bound(served):
+    url, triton = served
+    sock = raw(url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+    sent, chunk = 0, b"x" * 8192
+    sock.settimeout(0.05)
+    while True:
+        try:
+            answer = sock.recv(65536)
+            break
+        except socket.timeout:
+            pass
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        sent += len(chunk)
+        assert sent < 64 * LIMITS.max_body_bytes, "the gateway kept reading"
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert sent < 4 * LIMITS.max_body_bytes  # refused near the bound, not after the client was done
+
+
+def test_bodies_within_the_bound_are_served_and_bad_json_is_400(served):
+    url, _ = served
+    r = post(url, "/v1/completions", {"prompt": "a" * (LIMITS.max_body_bytes - 100), "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "echo:2"
+    assert r.headers["x-request-id"]
+    deep = requests.post(f"{url}/v1/completions", data="[" * 20000 + "]" * 20000, timeout=30)
+    assert error_of(deep, 400)["message"] == "the body is not valid JSON"
+    assert error_of(requests.post(f"{url}/v1/completions", data="[1]", timeout=30), 400)["message"] == \
+        "the body must be a JSON object"
+
+
+# ---- counts ----------------------------------------------------------------------------------------------
+def test_messages_and_prompts_are_counted_before_their_items_are_validated(served):
+    url, _ = served
+    too_many = [{"role": "user", "content": "x"}] * LIMITS.max_messages + [{"content": "no role"}]
+    error = error_of(post(url, "/v1/chat/completions", {"messages": too_many}), 400, "messages")
+    assert error["message"] == f"messages: {LIMITS.max_messages + 1} messages; at most {LIMITS.max_messages} per request"
+    error = error_of(post(url, "/v1/completions", {"prompt": ["a"] * LIMITS.max_choices + [1]}), 400, "prompt")
+    assert error["message"].startswith(f"prompt: {LIMITS.max_choices + 1} prompts; at most {LIMITS.max_choices}")
+    ok = [{"role": "user", "content": "x"}] * LIMITS.max_messages
+    assert post(url, "/v1/chat/completions", {"messages": ok, "max_tokens": 1}).status_code == 200
+
+
+def test_prompts_times_n_is_bounded(served):
+    url, triton = served
+    before = len(triton.started)
+    error_of(post(url, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}), 400, "n")
+    error_of(post(url, "/v1/chat/completions", {"messages": MESSAGES, "n": LIMITS.max_choices + 1}), 400, "n")
+    assert len(triton.started) == before  # refused before any stream opened
+    r = post(url, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6 == LIMITS.max_choices
+
+
+# ---- template inputs -------------------------------------------------------------------------------------
+NESTED_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"chat_template": NESTED_LOOP}, "chat_template"),
+    ({"chat_template_kwargs": {"chat_template": NESTED_LOOP}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": [True] * 1000}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"reasoning_effort": "x" * 10000}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+])
+def test_a_request_never_supplies_a_template(served, fields, param):
+    url, triton = served
+    before = len(triton.started)
+    t0 = time.monotonic()
+    r = post(url, "/v1/chat/completions", {"messages": MESSAGES, **fields}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    error = error_of(r, 400, param)
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param}: ")
+    assert len(triton.started) == before
+
+
+def test_allowed_template_variables_reach_the_operators_template(demo, tmp_path):
+    from loraplex.demo import build_byte_tokenizer
+
+    build_byte_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "[{{ enable_thinking }}|{{ thinking }}|{{ reasoning_effort }}|{{ add_generation_prompt }}]")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    renderer = ChatRenderer(tmp_path)
+    body = ChatCompletionRequest(messages=MESSAGES, chat_template_kwargs={
+        "enable_thinking": False, "thinking": True, "reasoning_effort": "low", "add_generation_prompt": False})
+    text, used = renderer.prompt(body.messages, True, body.chat_template_kwargs, 1024)
+    assert text == "Hi[False|True|low|False]"
+    assert used == len(renderer.tokenizer(text).input_ids)
+    assert set(TEMPLATE_VARIABLES) == {"add_generation_prompt", "enable_thinking", "thinking", "reasoning_effort"}
+
+
+def test_token_counts_read_a_bounded_prefix(demo):
+    renderer = ChatRenderer(demo["model"])
+    assert renderer.count_tokens("hello", 1024) == len(renderer.tokenizer("hello").input_ids)
+    huge = "x" * (4 * 1024 * 1024)  # the byte tokenizer: one token a byte; the whole would take seconds
+    t0 = time.perf_counter()
+    assert renderer.count_tokens(huge, 64) >= 64
+    assert time.perf_counter() - t0 < 0.5
+
+
+# ---- the render pool -------------------------------------------------------------------------------------
+def test_a_slow_render_is_503_at_the_bound_and_the_loop_serves_others_meanwhile(served):
+    url, triton = served
+    results = {}
+
+    def slow():
+        t0 = time.monotonic()
+        r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": SLOW}]})
+        results["slow"] = (r, time.monotonic() - t0)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.2)
+    assert SlowRenderer.slow_running == 1
+    t0 = time.monotonic()
+    good = post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})  # the other thread
+    health = requests.get(f"{url}/health", timeout=5)
+    served_in = time.monotonic() - t0
+    assert SlowRenderer.slow_running == 1  # both were served while the slow render ran
+    thread.join()
+    r, took = results["slow"]
+    assert good.status_code == 200 and health.status_code == 200 and served_in < LIMITS.render_timeout_s
+    error = error_of(r, 503, None, "render_timeout")
+    assert error["type"] == "service_unavailable_error" and "--render-timeout" in error["message"]
+    assert LIMITS.render_timeout_s <= took < SLOW_S  # answered at the bound, not when the thread finished
+    time.sleep(SLOW_S)  # let the abandoned thread finish before the next test
+
+
+def test_the_pool_runs_at_most_its_threads_and_refuses_past_its_queue():
+    started, gate = [], threading.Event()
+
+    def job(i):
+        started.append(i)
+        gate.wait(5)
+        return i
+
+    async def run():
+        pool = RenderPool(threads=2, timeout_s=0.5)
+        pool.max_admitted = 3
+        jobs = [asyncio.ensure_future(pool.run(job, i)) for i in range(3)]
+        await asyncio.sleep(0.2)
+        assert sorted(started) == [0, 1]  # two threads
+        with pytest.raises(Exception) as busy:
+            await pool.run(job, 3)
+        assert busy.value.status == 503 and busy.value.code == "service_unavailable"
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        assert all(getattr(r, "code", None) == "render_timeout" for r in results)
+        gate.set()
+        await asyncio.sleep(0.2)
+        assert sorted(started) == [0, 1]  # the queued job timed out and was dropped, never run
+        assert await pool.run(job, 4) == 4 and pool.admitted == 0
+        pool.close()
+
+    asyncio.run(run())
+
+
+# ---- disconnects -----------------------------------------------------------------------------------------
+HANG_CHAT = [{"role": "user", "content": "HANG"}]
+
+
+@pytest.mark.parametrize("path, body, midstream", [
+    ("/v1/completions", {"prompt": "HANG", "stream": True}, False),
+    ("/v1/completions", {"prompt": "HANG"}, False),
+    ("/v1/chat/completions", {"messages": HANG_CHAT, "stream": True}, False),
+    ("/v1/chat/completions", {"messages": HANG_CHAT}, False),
+    ("/v1/completions", {"prompt": "STREAM", "stream": True}, True),
+])
+def test_a_client_that_leaves_cancels_its_triton_stream(served, path, body, midstream):
+    url, triton = served
+    before = len(triton.started)
+    if midstream:
+        r = requests.post(f"{url}{path}", json=body, stream=True, timeout=30)
+        next(line for line in r.iter_lines() if line)
+        r.close()
+    else:  # waits for a first token that never comes (queued in the engine), then gives up
+        with pytest.raises(requests.Timeout):
+            requests.post(f"{url}{path}", json=body, timeout=0.5)
+    wait_until(lambda: len(triton.started) > before)
+    rid = triton.started[-1]
+    assert wait_until(lambda: rid in triton.cancelled, timeout=3) < 3
+
+
+def test_a_client_that_leaves_mid_body_starts_nothing(served):
+    url, triton = served
+    before = len(triton.started)
+    sock = raw(url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+    sock.close()
+    time.sleep(0.3)
+    assert len(triton.started) == before
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
+# ---- error texts -----------------------------------------------------------------------------------------
+class RpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_grpc_details_never_reach_the_client():
+    leak = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.1.2.3:8001: Connection refused"
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.PERMISSION_DENIED):
+        error = from_rpc(RpcError(code, leak), "r1")
+        assert "10.1.2.3" not in error.message and "8001" not in error.message and "ipv4" not in error.message
+        assert error.status == (500 if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.PERMISSION_DENIED)
+                                else 503)
+    assert from_rpc(RpcError(grpc.StatusCode.INTERNAL, leak), "r1").message == \
+        "internal error in the gateway (request id r1)"
+
+
+@pytest.mark.parametrize("message, shown", [
+    ("prompt has 5 tokens and max_tokens is 5000: 5005 exceeds the model's max length 1024",
+     "prompt has 5 tokens and max_tokens is 5000: 5005 exceeds the model's max length 1024"),
+    ("cannot read /var/lib/loraplex/adapters/acme/a/adapter_config.json", "cannot read <redacted>"),
+    ("Triton at triton.internal:8001 or http://10.0.0.2:8000/v2 failed", "Triton at <redacted> or <redacted> failed"),
+    ("n is 17 but at most 16 is allowed (max_n)", "n is 17 but at most 16 is allowed (max_n)"),
+    ("tenant quota exceeded: tokens_per_minute=30 at 12:30; retry later",
+     "tenant quota exceeded: tokens_per_minute=30 at 12:30; retry later"),
+])
+def test_lora_llm_messages_pass_without_addresses_or_paths(message, shown):
+    assert client_text(message) == shown
+    assert from_triton(message).message == shown
+
+
+def test_tracebacks_and_grpc_debug_strings_become_a_generic_500():
+    for leak in ('Traceback (most recent call last):\n  File "/opt/x.py", line 1',
+                 'debug_error_string = "UNKNOWN:Error received from peer {grpc_status:13}"'):
+        error = from_triton(leak, "abc")
+        assert (error.status, error.code, error.message) == (500, "internal_error",
+                                                             "internal error in the gateway (request id abc)")
+
+
+def test_an_unexpected_failure_is_500_with_the_request_id_and_no_repr(served):
+    url, triton = served
+    triton.failure = RuntimeError("secret at /srv/keys.json talking to 10.0.0.9:8001")
+    try:
+        r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        error = error_of(r, 500, None, "internal_error")
+        assert error["message"] == f"internal error in the gateway (request id {r.headers['x-request-id']})"
+        assert triton.started[-1] == f"{r.headers['x-request-id']}-0"  # Triton's request id carries it
+    finally:
+        triton.failure = None
+    health = requests.get(f"{url}/health", timeout=5)
+    assert health.status_code == 200
+
+
+def test_models_and_errors_name_no_path(served, demo):
+    url, _ = served
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    error = error_of(r, 400, "messages")
+    assert str(Path(demo["model"])) not in error["message"]
