@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 from ..lora.adapter import AdapterError
 from ..lora.manager import AdapterNotFound
 from ..lora.store import AdapterStoreError
 from ..request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
 
 MAX_MESSAGE_CHARS = 2000
+INTERNAL_TEXT = "internal error (request {ref}); the server log has the details"
+
+log = logging.getLogger("loraplex.triton")
 
 
 def error_code(pb_utils, exc: Exception):
@@ -33,3 +39,17 @@ def error_message(exc: Exception) -> str:
     if len(text) > MAX_MESSAGE_CHARS:
         text = text[:MAX_MESSAGE_CHARS] + " ..."
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def client_error(pb_utils, exc: Exception, request_id: str | None = None) -> tuple[str, object]:
+    """(message, code) to send: an INTERNAL error as a generic text naming the request, its details only logged.
+
+    An unexpected exception's text may carry paths, reprs or internals; the log line and
+    the client's message share the reference, so an operator can find one from the other.
+    """
+    code = error_code(pb_utils, exc)
+    if code != pb_utils.TritonError.INTERNAL:
+        return error_message(exc), code
+    ref = request_id or secrets.token_hex(8)
+    log.error("internal error in request %s", ref, exc_info=exc)
+    return INTERNAL_TEXT.format(ref=ref), code

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import error_code, error_message
+from .errors import client_error
 
 log = logging.getLogger("loraplex.responder")
 
@@ -146,7 +146,7 @@ class Responder:
             p = self.pending.pop(request_id, None)
         if p is not None:
             self.abort(request_id)
-            self.send_exception(p.sender, exc)
+            self.send_exception(p.sender, exc, request_id)
 
     def _absorb(self, out, touched: dict) -> None:
         with self.lock:
@@ -157,7 +157,7 @@ class Responder:
             with self.lock:
                 self.pending.pop(out.request_id, None)
             touched.pop(out.request_id, None)
-            self.send_exception(p.sender, out.error)
+            self.send_exception(p.sender, out.error, out.request_id)
             return
         i = out.index
         p.texts[i] += out.text
@@ -233,10 +233,10 @@ class Responder:
             result.append(item)
         return result
 
-    def send_exception(self, sender, exc: Exception) -> None:
-        """An error response for an exception, with the code errors.error_code picks, and the FINAL flag."""
+    def send_exception(self, sender, exc: Exception, request_id: str | None = None) -> None:
+        """An error response for an exception (errors.client_error's message and code) with the FINAL flag."""
         try:
-            self.send_error(sender, error_message(exc), error_code(self.pb, exc))
+            self.send_error(sender, *client_error(self.pb, exc, request_id))
         except Exception:
             log.exception("could not send error response")
 
