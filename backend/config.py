@@ -53,6 +53,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
+    adapter_store_max_bytes: int = 16 << 30  # every tenant's uploaded versions on disk together; 0 = no cap
     seed: int = 0  # seeds the global RNG used by requests without their own `seed`
     cpu_threads: int = 0  # torch CPU threads; 0 = auto (a server: CPUs - 1, unless OMP_NUM_THREADS is set)
     native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
@@ -71,6 +72,7 @@ class EngineConfig:
             (self.prefix_cache_scope in ("tenant", "global"), "prefix_cache_scope must be tenant or global"),
             (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.adapter_store_max_bytes >= 0, "adapter_store_max_bytes must be >= 0 (0 = no cap)"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (0 <= self.tenant_queue_share < 1, "tenant_queue_share must be in [0, 1)"),
             (self.max_prompt_bytes >= 0, "max_prompt_bytes must be >= 0 (0 = derived from max_model_len)"),

@@ -9,11 +9,16 @@ one shared volume). Layout under ``root``::
     .tenants/<tenant-dir>/adapters/<name>.json pointer to the current version (metadata)
     .tenants/<tenant-dir>/versions/<name>/<version>/{adapter_config.json,adapter_model.safetensors}
 
+    .tenants/.lock                             flock: the store-wide byte cap + a version's rename into place
+
 ``tenant-dir`` is a sha256 prefix of the tenant name and ``<name>`` must match
 ADAPTER_NAME, so no name can steer a path. Every file is written atomically (``.tmp-*``
 file, fsync, rename, fsync the folder). A version that stops being current stays on disk
 for RETIRED_VERSION_GRACE_SECONDS (a request in flight elsewhere may reload it), then the
-tenant's next upload or delete removes it.
+next collection removes it: the server's timer (Collector), any tenant's upload (at most
+every COLLECT_INTERVAL_SECONDS), and the tenant's own upload or delete. Every version on
+disk counts against its tenant's max_adapters, and every tenant's versions together
+against the store-wide byte cap.
 """
 
 from __future__ import annotations
@@ -23,20 +28,23 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .adapter import (CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, AdapterError, adapter_digest,
-                      check_safetensors_header, parse_peft_adapter)
+                      check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter)
 from .manager import AdapterNotFound
-from .shapes import MODULES, module_shapes
+from .shapes import module_shapes
 
 if TYPE_CHECKING:
     from ..tenancy import Tenant
@@ -46,14 +54,34 @@ log = logging.getLogger("loraplex.store")
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANTS_DIR = ".tenants"
 TMP_PREFIX = ".tmp-"
+TENANT_DIR = re.compile(r"[0-9a-f]{32}")
 RETIRED_VERSION_GRACE_SECONDS = 600
+COLLECT_INTERVAL_SECONDS = 60  # the server's collection timer; an upload collects at most this often too
 MAX_CONFIG_BYTES = 64 * 1024
-HEADER_ALLOWANCE = 64 * 1024  # safetensors header bytes allowed beyond 1 KiB per expected tensor
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 class AdapterStoreError(ValueError):
     """An upload that is refused: a bad name, a bad adapter, or over a quota (INVALID_ARG)."""
+
+
+class StoreFull(AdapterStoreError):
+    """An upload the store-wide byte cap has no room for now (UNAVAILABLE: collection frees room)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """What one tenant holds on disk: current versions, retired ones still in their grace period, their bytes."""
+
+    current: int
+    retired: int
+    bytes: int
+    next_free: float | None  # when the oldest retired version may be collected (unix time), if any
+
+    @property
+    def versions(self) -> int:
+        """Version folders on disk that count against max_adapters."""
+        return self.current + self.retired
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +128,7 @@ def max_weights_bytes(hf_config, max_lora_rank: int) -> int:
     """Size of the largest valid adapter_model.safetensors for this model: every module at max_lora_rank, in F64."""
     layers = int(hf_config.num_hidden_layers)
     elements = max_lora_rank * layers * sum(i + o for i, o in module_shapes(hf_config).values())
-    tensors = 2 * layers * len(MODULES)
-    return 8 + HEADER_ALLOWANCE + 1024 * tensors + elements * max(DTYPE_SIZES.values())
+    return 8 + max_header_bytes(max_adapter_tensors(hf_config)) + elements * max(DTYPE_SIZES.values())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -137,8 +164,11 @@ def _write_synced(path: Path, data: bytes) -> None:
 class AdapterStore:
     """Shared adapters and per-tenant uploads in one folder (see the module doc for the layout)."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, max_bytes: int = 0, clock: Callable[[], float] = time.time):
         self.root = Path(root)
+        self.max_bytes = max_bytes  # every tenant's versions on disk together; 0 = no cap
+        self.clock = clock  # unix time: retirement stamps, the grace period, the collection interval
+        self._last_collect = clock()
 
     # reading (cheap: the engine calls lookup on every request naming an adapter) ---------------
 
@@ -209,14 +239,21 @@ class AdapterStore:
                max_lora_rank: int) -> StoredAdapter:
         """Validate an adapter completely, then store it as the tenant's new current version of ``name``.
 
-        Raises AdapterStoreError for a bad name or adapter or a quota it would exceed;
-        nothing on disk changes unless it succeeds.
+        Raises AdapterStoreError for a bad name or adapter or a quota it would exceed, StoreFull
+        when the store-wide byte cap has no room; nothing on disk changes unless it succeeds
+        (except that retired versions past their grace period may be collected).
         """
         check_name(name)
+        self.maybe_collect()  # whichever tenant uploads next
         config_bytes, weights = self._checked_files(name, config_text, weights, tenant, hf_config, max_lora_rank)
-        if tenant.max_adapters and self.lookup(tenant.name, name) is None \
-                and len(self.list(tenant.name)) >= tenant.max_adapters:
-            raise self._count_error(tenant)  # early; checked again under the lock
+        version = adapter_digest(config_bytes, weights)[:16]  # content-addressed: same bytes, same folder
+        tdir = self._tenant_dir(tenant.name)
+        target = tdir / "versions" / name / version
+        size = len(config_bytes) + len(weights)
+        if not target.is_dir():  # early (no lock); both checked again under the locks
+            replacing = self.lookup(tenant.name, name) is not None
+            self._check_count(tenant, self._usage(tdir), replacing)
+            self._check_room(tenant, size, collect=True)
         try:
             adapter = parse_peft_adapter(config_bytes, weights, name, hf_config, max_lora_rank)
         except AdapterError as exc:
@@ -225,23 +262,20 @@ class AdapterStore:
             raise AdapterStoreError(f"adapter {name!r} has rank {adapter.rank}, above the max_adapter_rank quota "
                                     f"({tenant.max_adapter_rank}) of tenant {tenant.name!r}")
         modules = sorted({m for _, m in adapter.weights})
-        version = adapter.digest[:16]  # content-addressed: the same bytes are the same immutable folder
         meta = {"name": name, "version": version, "digest": adapter.digest, "rank": adapter.rank,
-                "target_modules": modules, "bytes": len(weights), "created": time.time()}
+                "target_modules": modules, "bytes": len(weights), "created": self.clock()}
         tdir = self._tenant_dir_for_writing(tenant.name)
         with self._locked(tdir):
             pointer = tdir / "adapters" / f"{name}.json"
             old = self._read_pointer(tenant.name, pointer, name)
-            if old is None and tenant.max_adapters and len(self.list(tenant.name)) >= tenant.max_adapters:
-                raise self._count_error(tenant)
             self._gc(tdir, keep={(name, version)})
-            target = tdir / "versions" / name / version
             if not target.is_dir():
-                self._install(target, config_bytes, weights, adapter.digest)
+                self._check_count(tenant, self._usage(tdir), replacing=old is not None)
+                self._install(tenant, target, config_bytes, weights, adapter.digest)
             (tdir / "adapters").mkdir(exist_ok=True)
             write_atomic(pointer, json.dumps(meta, sort_keys=True).encode())
             if old is not None and old.version != version:
-                _touch(old.path)  # retired now: the grace period starts
+                self._retire(old.path)  # the grace period starts
         stored = StoredAdapter(tenant=tenant.name, name=name, version=version, path=target, digest=adapter.digest,
                                rank=adapter.rank, target_modules=tuple(meta["target_modules"]), bytes=len(weights),
                                created=meta["created"])
@@ -262,17 +296,105 @@ class AdapterStore:
                 raise not_found(name)
             pointer.unlink()
             _fsync_dir(pointer.parent)
-            _touch(old.path)
+            self._retire(old.path)
             self._gc(tdir)
         log.info("adapter deleted: tenant=%s name=%s version=%s digest=%s", tenant, name, old.version, old.digest)
         return old
 
-    # helpers ---------------------------------------------------------------------------------
+    # accounting and collection ---------------------------------------------------------------
 
-    @staticmethod
-    def _count_error(tenant: Tenant) -> AdapterStoreError:
-        return AdapterStoreError(f"tenant {tenant.name!r} already has {tenant.max_adapters} adapter(s), its "
-                                 f"max_adapters quota: delete one, or upload under an existing name to replace it")
+    def usage(self, tenant: str) -> TenantUsage:
+        """What the tenant holds on disk now (retired versions past their grace period not counted)."""
+        return self._usage(self._tenant_dir(tenant))
+
+    def stored_bytes(self) -> int:
+        """Bytes of every tenant's version folders on disk (what the store-wide cap bounds)."""
+        return sum(_folder_bytes(path) for tdir in self._tenant_dirs() for _, _, path in _version_folders(tdir))
+
+    def maybe_collect(self) -> int:
+        """collect() if COLLECT_INTERVAL_SECONDS have passed since this store's last collection; else 0."""
+        if self.clock() - self._last_collect < COLLECT_INTERVAL_SECONDS:
+            return 0
+        return self.collect()
+
+    def collect(self) -> int:
+        """Remove every tenant's retired versions past the grace period; returns how many (busy tenants skipped)."""
+        self._last_collect = self.clock()
+        removed = 0
+        for tdir in self._tenant_dirs():
+            with self._locked(tdir, wait=False) as held:  # a tenant busy in an upload collects its own
+                if held:
+                    removed += self._gc(tdir)
+        return removed
+
+    def _tenant_dirs(self) -> list[Path]:
+        """Every tenant folder under .tenants/ (sorted)."""
+        try:
+            names = sorted(os.listdir(self.root / TENANTS_DIR))
+        except FileNotFoundError:
+            return []
+        return [self.root / TENANTS_DIR / n for n in names
+                if TENANT_DIR.fullmatch(n) and (self.root / TENANTS_DIR / n / ".lock").is_file()]
+
+    def _usage(self, tdir: Path) -> TenantUsage:
+        """Current and in-grace retired versions of a tenant folder, and their bytes."""
+        current = {(a.name, a.version) for a in self._pointers(tdir, "")}
+        cutoff = self.clock() - RETIRED_VERSION_GRACE_SECONDS
+        counts, size, oldest = [0, 0], 0, None
+        for name, version, path in _version_folders(tdir):
+            if (name, version) not in current:
+                try:
+                    retired = path.lstat().st_mtime
+                except FileNotFoundError:
+                    continue
+                if retired < cutoff:
+                    continue  # collectable: the next collection removes it
+                oldest = retired if oldest is None else min(oldest, retired)
+            counts[(name, version) not in current] += 1
+            size += _folder_bytes(path)
+        next_free = None if oldest is None else oldest + RETIRED_VERSION_GRACE_SECONDS
+        return TenantUsage(current=counts[0], retired=counts[1], bytes=size, next_free=next_free)
+
+    def _check_count(self, tenant: Tenant, usage: TenantUsage, replacing: bool) -> None:
+        """Refuse a new version unless the tenant's versions on disk leave room under max_adapters
+        (plus one when it replaces a current version, which then stays on disk, retired, for the grace period)."""
+        limit = tenant.max_adapters + replacing
+        if not tenant.max_adapters or usage.versions < limit:
+            return
+        held = f"{usage.current} current"
+        if usage.retired:
+            wait = max(1, math.ceil(usage.next_free - self.clock()))
+            held += (f" and {usage.retired} replaced or deleted, kept {RETIRED_VERSION_GRACE_SECONDS} s for "
+                     f"requests in flight (the oldest is removed in {wait} s)")
+            advice = "retry then"
+        else:
+            advice = (f"delete one (its version is kept {RETIRED_VERSION_GRACE_SECONDS} s for requests in flight, "
+                      f"then removed), or upload under an existing name to replace it")
+        quota = f"its max_adapters quota ({tenant.max_adapters}{' plus the version a replacement retires' * replacing})"
+        raise AdapterStoreError(f"tenant {tenant.name!r} already has {usage.versions} adapter version(s) on disk "
+                                f"({held}), {quota}: {advice}")
+
+    def _check_room(self, tenant: Tenant, size: int, collect: bool = False) -> None:
+        """Refuse ``size`` more bytes when the store-wide cap has no room (after a collection, if asked)."""
+        if not self.max_bytes:
+            return
+        stored = self.stored_bytes()
+        if stored + size > self.max_bytes and collect and self.collect():
+            stored = self.stored_bytes()
+        if stored + size > self.max_bytes:
+            log.warning("adapter store full: tenant=%s needs %d bytes, uploads hold %d of %d (adapter_store_max_bytes)",
+                        tenant.name, size, stored, self.max_bytes)
+            raise StoreFull(f"the adapter store is full: this upload ({size} bytes) does not fit under the server's "
+                            f"adapter_store_max_bytes; retry later (replaced versions are removed "
+                            f"{RETIRED_VERSION_GRACE_SECONDS} s after they are replaced) or ask the operator")
+
+    def _retire(self, path: Path) -> None:
+        """Stamp a version folder that just stopped being current: its grace period starts now."""
+        now = self.clock()
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path, (now, now))
+
+    # helpers ---------------------------------------------------------------------------------
 
     @staticmethod
     def _checked_files(name: str, config_text, weights, tenant: Tenant, hf_config,
@@ -297,7 +419,7 @@ class AdapterStore:
             raise AdapterStoreError(f"adapter_weights is {len(weights)} bytes, more than any valid adapter of "
                                     f"this model at max_lora_rank {max_lora_rank} ({limit} bytes)")
         try:
-            check_safetensors_header(weights)
+            check_safetensors_header(weights, max_adapter_tensors(hf_config))
         except AdapterError as exc:
             raise AdapterStoreError(f"adapter {name!r}: {exc}") from None
         return config_bytes, weights
@@ -318,18 +440,22 @@ class AdapterStore:
 
     @staticmethod
     @contextlib.contextmanager
-    def _locked(tdir: Path):
-        """Hold the tenant's flock (shared by every replica on this store)."""
-        with open(tdir / ".lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    def _locked(folder: Path, wait: bool = True) -> Iterator[bool]:
+        """Hold ``folder/.lock``'s flock (shared by every replica on this store); yields False if busy and not wait."""
+        with open(folder / ".lock", "a+b") as f:
             try:
-                yield
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    @staticmethod
-    def _install(target: Path, config_bytes: bytes, weights: bytes, digest: str) -> None:
-        """Write a version folder: staging folder, fsync each file, verify, rename, fsync the parent."""
+    def _install(self, tenant: Tenant, target: Path, config_bytes: bytes, weights: bytes, digest: str) -> None:
+        """Write a version folder: staging folder, fsync each file, verify; then, under the store's lock,
+        check the store-wide cap and rename it into place; fsync the parent."""
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         staging.mkdir()
@@ -340,21 +466,27 @@ class AdapterStore:
             written = adapter_digest((staging / CONFIG_FILE).read_bytes(), (staging / WEIGHTS_FILE).read_bytes())
             if written != digest:
                 raise OSError(f"adapter files read back differ from those written ({written} != {digest})")
-            os.rename(staging, target)
+            with self._locked(self.root / TENANTS_DIR):  # no other replica places a version meanwhile
+                self._check_room(tenant, len(config_bytes) + len(weights))
+                os.rename(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()  # only when empty: a refused first version of a name leaves nothing
             raise
         _fsync_dir(target.parent)
 
-    def _gc(self, tdir: Path, keep: set[tuple[str, str]] = frozenset()) -> None:
-        """Remove version folders no pointer names and stale ``.tmp-*`` leftovers, once past the grace period."""
-        cutoff = time.time() - RETIRED_VERSION_GRACE_SECONDS
+    def _gc(self, tdir: Path, keep: set[tuple[str, str]] = frozenset()) -> int:
+        """Remove version folders no pointer names and stale ``.tmp-*`` leftovers, once past the grace period;
+        returns how many version folders it removed (call it under the tenant's lock)."""
+        removed = 0
+        cutoff = self.clock() - RETIRED_VERSION_GRACE_SECONDS
         current = {(a.name, a.version) for a in self._pointers(tdir, "")} | set(keep)
         for folder in (tdir / "adapters", tdir):
             _remove_stale_tmp(folder, cutoff)
         versions = tdir / "versions"
         if not versions.is_dir():
-            return
+            return removed
         for name_dir in versions.iterdir():
             for entry in list(name_dir.iterdir()) if name_dir.is_dir() else []:
                 if (name_dir.name, entry.name) in current:
@@ -366,13 +498,65 @@ class AdapterStore:
                 if stale:
                     log.info("removing retired adapter version %s", entry)
                     shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                    removed += not entry.name.startswith(TMP_PREFIX)
             with contextlib.suppress(OSError):
                 name_dir.rmdir()  # only when empty
+        return removed
 
 
-def _touch(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.utime(path)
+class Collector:
+    """The server's collection timer: every ``interval`` seconds, store.collect() on a daemon thread."""
+
+    def __init__(self, store: AdapterStore, interval: float = COLLECT_INTERVAL_SECONDS):
+        self.store, self.interval = store, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adapter-store-collector", daemon=True)
+
+    def start(self) -> Collector:
+        """Start the timer thread; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the timer thread (a collection under way finishes first)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                removed = self.store.collect()
+            except Exception:  # noqa: BLE001 - the timer outlives one failed sweep
+                log.exception("collecting retired adapter versions failed")
+                continue
+            if removed:
+                log.info("collected %d retired adapter version(s)", removed)
+
+
+def _version_folders(tdir: Path) -> Iterator[tuple[str, str, Path]]:
+    """(name, version, folder) of every version folder of a tenant folder (staging leftovers excluded)."""
+    try:
+        names = sorted(os.listdir(tdir / "versions"))
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            versions = sorted(os.listdir(tdir / "versions" / name))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for version in versions:
+            if not version.startswith(TMP_PREFIX):
+                yield name, version, tdir / "versions" / name / version
+
+
+def _folder_bytes(path: Path) -> int:
+    """Bytes of the files directly in a folder (0 when it is gone)."""
+    try:
+        with os.scandir(path) as entries:
+            return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
 
 
 def _remove_stale_tmp(folder: Path, cutoff: float) -> None:

@@ -4,7 +4,8 @@ Not decoupled: one request, one response holding `result` (a JSON object) or an 
 The tenant is resolved exactly as `lora_llm` does it; the adapter store is
 ``LORAPLEX_ADAPTER_STORE``. initialize() stays light (every server loads this model):
 torch, transformers and the base model's config are loaded by the first request that
-needs them.
+needs them. Every server also collects retired adapter versions of every tenant on a
+timer (the store's Collector, started by the first request or after its first interval).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +34,22 @@ ACTIONS = {  # action -> (required inputs, optional inputs)
     "delete": (("adapter_name",), ()),
 }
 INPUT_NAMES = ("action", "adapter_name", "adapter_config", "adapter_weights")
+COLLECTOR_START_SECONDS = 60.0  # the collection timer starts by then without any request (torch loads then)
 NO_STORE = "adapter uploads are not enabled on this server: no adapter store is configured (LORAPLEX_ADAPTER_STORE)"
 
 
 class NoAdapterStore(RuntimeError):
     """The server has no adapter store (UNSUPPORTED)."""
+
+
+def _start_collector(model: "TritonPythonModel", delay: float, stopped: threading.Event) -> None:
+    """After ``delay`` seconds (torch loads then, not at model load), start the store's collection timer."""
+    if stopped.wait(delay):
+        return
+    try:
+        model._store_now()
+    except Exception:  # noqa: BLE001 - no timer rather than a failed server
+        log.exception("the adapter store's collection timer did not start")
 
 
 def _scalar(name: str, array) -> bytes:
@@ -92,18 +105,27 @@ class TritonPythonModel:
         self.config = engine_config_from_model_config(model_config, Path(args["model_repository"]))
         self.tenants = TenantResolver.from_env()
         self._store = None
+        self._store_lock = threading.Lock()
+        self._collector = None
+        self._stopped = threading.Event()
         self._hf_config = None
         self.tenant_labels = TenantLabels(self.config.max_metric_tenants)
         self.metrics = make_metrics(pb_utils, model_config, args["model_name"], args["model_version"], (UPLOADS,))
         log.info("lora_adapters ready: adapter store %s", self.config.adapter_store or "(none: uploads disabled)")
+        if self.config.adapter_store:
+            threading.Thread(target=_start_collector, args=(self, COLLECTOR_START_SECONDS, self._stopped),
+                             name="adapter-store-collector-start", daemon=True).start()
 
     def _store_now(self):
         if not self.config.adapter_store:
             raise NoAdapterStore(NO_STORE)
-        if self._store is None:
-            from ..lora.store import AdapterStore  # imports torch: not at load time
+        with self._store_lock:
+            if self._store is None:
+                from ..lora.store import AdapterStore, Collector  # imports torch: not at load time
 
-            self._store = AdapterStore(self.config.adapter_store)
+                self._store = AdapterStore(self.config.adapter_store, max_bytes=self.config.adapter_store_max_bytes)
+                if not self._stopped.is_set():
+                    self._collector = Collector(self._store).start()
         return self._store
 
     def _base_config(self):
@@ -159,7 +181,10 @@ class TritonPythonModel:
             log.exception("counting an upload failed")
 
     def finalize(self):
-        """Drop the metrics before their families."""
+        """Stop the collection timer; drop the metrics before their families."""
+        self._stopped.set()
+        if self._collector is not None:
+            self._collector.stop()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -178,6 +203,9 @@ class TritonPythonModel:
             return codes.UNSUPPORTED
         if isinstance(exc, InvalidRequest):  # a bad or missing API key included
             return codes.INVALID_ARG
+        from ..lora.store import StoreFull
         from .errors import error_code
 
+        if isinstance(exc, StoreFull):  # the server's capacity, not the request: retry once versions are collected
+            return codes.UNAVAILABLE
         return error_code(pb_utils, exc)

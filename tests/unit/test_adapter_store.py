@@ -8,8 +8,11 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,7 +26,8 @@ from transformers import LlamaForCausalLM
 
 from loraplex.lora.adapter import adapter_digest
 from loraplex.lora.manager import AdapterNotFound
-from loraplex.lora.store import (RETIRED_VERSION_GRACE_SECONDS, AdapterStore, AdapterStoreError, max_weights_bytes,
+from loraplex.lora.store import (COLLECT_INTERVAL_SECONDS, RETIRED_VERSION_GRACE_SECONDS, AdapterStore,
+                                 AdapterStoreError, Collector, StoreFull, TenantUsage, max_weights_bytes,
                                  tenant_dir_name)
 from loraplex.tenancy import Tenant
 
@@ -233,19 +237,245 @@ def test_a_refused_first_upload_creates_nothing(store, good, hf_config):
     assert not store.root.exists()
 
 
-def test_max_adapters_counts_names_and_replacing_is_allowed(store, make, hf_config):
+class FakeClock:
+    """Unix time that moves only when a test says so (starts at a whole second of the real time)."""
+
+    def __init__(self):
+        self.now = float(int(time.time()))
+
+    def __call__(self) -> float:
+        return self.now
+
+
+GRACE = RETIRED_VERSION_GRACE_SECONDS
+
+
+def test_max_adapters_counts_every_version_on_disk(tmp_path, make, hf_config):
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", clock=clock)
     tenant = Tenant("acme", b"a", max_adapters=2)
     upload(store, tenant, "a", make(1), hf_config)
     upload(store, tenant, "b", make(2), hf_config)
     before = snapshot(store.root)
-    with pytest.raises(AdapterStoreError, match="already has 2 adapter\\(s\\), its max_adapters quota"):
+    with pytest.raises(AdapterStoreError) as info:
         upload(store, tenant, "c", make(3), hf_config)
+    assert str(info.value) == ("tenant 'acme' already has 2 adapter version(s) on disk (2 current), its max_adapters "
+                               "quota (2): delete one (its version is kept 600 s for requests in flight, then "
+                               "removed), or upload under an existing name to replace it")
     assert snapshot(store.root) == before
-    replaced = upload(store, tenant, "b", make(3), hf_config)
+    clock.now += 100
+    replaced = upload(store, tenant, "b", make(3), hf_config)  # a replacement may retire one version
     assert store.lookup("acme", "b") == replaced
-    store.delete("acme", "a")
-    upload(store, tenant, "c", make(4), hf_config)
+    assert store.usage("acme") == TenantUsage(current=2, retired=1, bytes=store.usage("acme").bytes,
+                                              next_free=clock.now + GRACE)
+    clock.now += 10
+    with pytest.raises(AdapterStoreError) as info:
+        upload(store, tenant, "b", make(4), hf_config)
+    assert str(info.value) == ("tenant 'acme' already has 3 adapter version(s) on disk (2 current and 1 replaced or "
+                               "deleted, kept 600 s for requests in flight (the oldest is removed in 590 s)), its "
+                               "max_adapters quota (2 plus the version a replacement retires): retry then")
+    assert upload(store, tenant, "b", make(3), hf_config).version == replaced.version  # same bytes: no new version
+    store.delete("acme", "a")  # a deleted version counts until it is collected
+    with pytest.raises(AdapterStoreError, match=r"already has 3 adapter version\(s\) on disk \(1 current and 2 "):
+        upload(store, tenant, "c", make(5), hf_config)
+    clock.now += GRACE  # b's first version is past its grace; a's is not (deleted 10 s later)
+    with pytest.raises(AdapterStoreError) as info:
+        upload(store, tenant, "c", make(5), hf_config)
+    assert str(info.value) == ("tenant 'acme' already has 2 adapter version(s) on disk (1 current and 1 replaced or "
+                               "deleted, kept 600 s for requests in flight (the oldest is removed in 1 s)), its "
+                               "max_adapters quota (2): retry then")
+    clock.now += 1
+    upload(store, tenant, "c", make(5), hf_config)
     assert [a.name for a in store.list("acme")] == ["b", "c"]
+    assert store.usage("acme") == TenantUsage(current=2, retired=0, bytes=store.usage("acme").bytes, next_free=None)
+    assert len(_on_disk(store, "acme")) == 2
+
+
+def _variant(files, i: int) -> tuple[str, bytes]:
+    """The same adapter with its last float changed: a distinct version of exactly the same size."""
+    return files[0], files[1][:-4] + struct.pack("<f", 0.001 * (i + 1))
+
+
+def _on_disk(store, tenant: str) -> list[Path]:
+    return sorted(p for p in (store.root / ".tenants" / tenant_dir_name(tenant) / "versions").glob("*/*"))
+
+
+def test_50_replacements_under_max_adapters_1_leave_two_versions(tmp_path, good, hf_config):
+    store = AdapterStore(tmp_path / "store", clock=FakeClock())
+    tenant = Tenant("acme", b"a", max_adapters=1)
+    refused = 0
+    for i in range(50):
+        try:
+            upload(store, tenant, "x", _variant(good, i), hf_config)
+        except AdapterStoreError as exc:
+            assert str(exc).startswith("tenant 'acme' already has 2 adapter version(s) on disk (1 current and 1 "
+                                       "replaced or deleted"), str(exc)
+            refused += 1
+    size = len(good[0].encode()) + len(good[1])
+    assert refused == 48 and len(_on_disk(store, "acme")) == 2
+    assert store.usage("acme") == TenantUsage(current=1, retired=1, bytes=2 * size, next_free=store.clock() + GRACE)
+    assert store.stored_bytes() == 2 * size == sum(p.stat().st_size for p in _on_disk(store, "acme")[0].parent.parent
+                                                   .rglob("*") if p.is_file())
+
+
+def test_50_replacements_a_minute_apart_keep_the_current_and_the_last_10_minutes(tmp_path, good, hf_config):
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", clock=clock)
+    for i in range(50):
+        upload(store, ACME, "x", _variant(good, i), hf_config)  # no max_adapters: only the grace bounds it
+        clock.now += 60
+    clock.now -= 60  # the last upload's time: versions 38..48 were retired at most 600 s before
+    size = len(good[0].encode()) + len(good[1])
+    assert len(_on_disk(store, "acme")) == 12
+    assert store.usage("acme") == TenantUsage(current=1, retired=11, bytes=12 * size, next_free=clock.now)
+    assert store.stored_bytes() == 12 * size
+
+
+def test_the_collection_timer_collects_every_tenants_retired_versions(tmp_path, make, hf_config):
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", clock=clock)
+    a1 = upload(store, ACME, "x", make(1), hf_config)
+    upload(store, ACME, "x", make(2), hf_config)
+    clock.now += GRACE - 5
+    g1 = upload(store, GLOBEX, "y", make(3), hf_config)
+    upload(store, GLOBEX, "y", make(4), hf_config)
+    clock.now += 10  # acme's retired version is past its grace, globex's is not
+    collector = Collector(store, interval=0.01).start()
+    try:
+        deadline = time.monotonic() + 10
+        while a1.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        collector.stop()
+    assert not a1.path.exists() and g1.path.is_dir()
+    assert (len(_on_disk(store, "acme")), len(_on_disk(store, "globex"))) == (1, 2)
+
+
+def test_any_tenants_upload_collects_once_the_interval_has_passed(tmp_path, make, hf_config):
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", clock=clock)
+    a1 = upload(store, ACME, "x", make(1), hf_config)
+    upload(store, ACME, "x", make(2), hf_config)
+    clock.now += GRACE + 1
+    upload(store, GLOBEX, "y", make(3), hf_config)  # globex's upload collects acme's retired version
+    assert not a1.path.exists()
+    a2 = store.lookup("acme", "x")
+    upload(store, ACME, "x", make(4), hf_config)
+    clock.now += GRACE - 30
+    assert store.collect() == 0  # nothing past its grace yet
+    clock.now += 31  # a2 is past its grace now, 31 s after the last collection
+    upload(store, GLOBEX, "z", make(5), hf_config)
+    assert a2.path.is_dir()  # a collection runs at most every COLLECT_INTERVAL_SECONDS
+    clock.now += COLLECT_INTERVAL_SECONDS
+    upload(store, GLOBEX, "w", make(6), hf_config)
+    assert not a2.path.exists()
+
+
+def test_a_tenant_busy_in_an_upload_is_skipped_by_the_collection(tmp_path, make, hf_config):
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", clock=clock)
+    a1 = upload(store, ACME, "x", make(1), hf_config)
+    upload(store, ACME, "x", make(2), hf_config)
+    clock.now += GRACE + 1
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(a1.path.parent.parent.parent / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        assert store.collect() == 0 and a1.path.is_dir()  # never waits for another replica's upload
+        assert time.monotonic() - t0 < 1
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(10)
+    assert store.collect() == 1 and not a1.path.exists()
+
+
+# the store-wide byte cap ------------------------------------------------------------------
+
+FULL = ("the adapter store is full: this upload ({} bytes) does not fit under the server's adapter_store_max_bytes; "
+        "retry later (replaced versions are removed 600 s after they are replaced) or ask the operator")
+
+
+def test_the_store_wide_cap_counts_every_tenants_versions(tmp_path, good, hf_config):
+    size = len(good[0].encode()) + len(good[1])
+    clock = FakeClock()
+    store = AdapterStore(tmp_path / "store", max_bytes=3 * size, clock=clock)
+    upload(store, ACME, "a", _variant(good, 1), hf_config)
+    upload(store, GLOBEX, "b", _variant(good, 2), hf_config)
+    upload(store, ACME, "a", _variant(good, 3), hf_config)  # the replaced version still counts
+    before = snapshot(store.root)
+    for tenant, name in ((GLOBEX, "c"), (ACME, "a")):
+        with pytest.raises(StoreFull) as info:
+            upload(store, tenant, name, _variant(good, 4), hf_config)
+        assert str(info.value) == FULL.format(size)
+        assert snapshot(store.root) == before
+    assert store.stored_bytes() == 3 * size
+    clock.now += GRACE + 1  # acme's replaced version is collectable: the upload collects it and fits
+    upload(store, GLOBEX, "c", _variant(good, 4), hf_config)
+    assert store.stored_bytes() == 3 * size
+    assert upload(store, GLOBEX, "b", _variant(good, 2), hf_config).name == "b"  # same bytes: no new version
+
+
+def test_the_cap_is_checked_again_under_the_store_lock(tmp_path, good, hf_config):
+    """Replica A places a version while B's upload waits for the store lock: B is refused, leaving nothing."""
+    size = len(good[0].encode()) + len(good[1])
+    store = AdapterStore(tmp_path / "store", max_bytes=2 * size)
+    first = upload(store, ACME, "a", _variant(good, 1), hf_config)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(store.root / ".tenants" / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    outcome = []
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+
+        def run():
+            try:
+                outcome.append(upload(AdapterStore(store.root, max_bytes=2 * size), GLOBEX, "b", _variant(good, 2),
+                                      hf_config))
+            except AdapterStoreError as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(1.0)  # past its early check (1 of 2 fit), staged, now waiting for the store lock
+        assert t.is_alive() and outcome == []
+        shutil.copytree(first.path, first.path.parent / "0000000000000000")  # what replica A places meanwhile
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(10)
+    t.join(30)
+    assert isinstance(outcome[0], StoreFull) and str(outcome[0]) == FULL.format(size)
+    assert not list(store.root.rglob(".tmp-*")) and store.lookup("globex", "b") is None
+    assert not (store.root / ".tenants" / tenant_dir_name("globex") / "versions" / "b").exists()
+
+
+# the safetensors header bound -------------------------------------------------------------
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152)
+
+
+def test_a_header_of_200000_zero_size_tensors_is_refused_fast():
+    """SmolLM2-135M's shapes at max_lora_rank 64: 420 tensors at most, a 495,616-byte header."""
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(**SMOLLM2)
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(200_000)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    data = len(raw).to_bytes(8, "little") + raw
+    assert len(data) < max_weights_bytes(hf_config, 64)  # within the size bound: the header bound must refuse it
+    config = json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    store = AdapterStore(Path(tempfile.mkdtemp()) / "store")
+    t0 = time.perf_counter()
+    with pytest.raises(AdapterStoreError) as info:
+        store.upload(ACME, "x", config, data, hf_config, 64)
+    elapsed = time.perf_counter() - t0
+    print(f"200,000 zero-size tensors ({len(data)} bytes): refused in {elapsed * 1000:.1f} ms")
+    assert str(info.value) == (f"adapter 'x': adapter_model.safetensors is not a valid safetensors file: header "
+                               f"length {len(raw)} is more than an adapter of this base model needs (495616 bytes "
+                               f"for at most 420 tensors)")
+    assert elapsed < 1.0 and not store.root.exists()
 
 
 def test_largest_valid_adapter_fits_the_size_bound(hf_config, make):
@@ -343,15 +573,16 @@ def test_the_quota_is_checked_again_under_the_tenants_flock(store, make, hf_conf
         t.start()
         time.sleep(1.0)  # past its early quota check (1 of 2), now waiting for the lock
         assert t.is_alive() and outcome == []
-        # what replica A does under its lock: a second name becomes current
+        # what replica A does under its lock: a second name's version is installed and becomes current
         meta = json.loads((tdir / "adapters" / "a.json").read_text())
+        shutil.copytree(first.path, tdir / "versions" / "b" / meta["version"])
         (tdir / "adapters" / "b.json").write_text(json.dumps({**meta, "name": "b"}))
     finally:
         holder.stdin.write("\n")
         holder.stdin.flush()
         holder.wait(10)
     t.join(30)
-    assert isinstance(outcome[0], AdapterStoreError) and "max_adapters quota" in str(outcome[0])
+    assert isinstance(outcome[0], AdapterStoreError) and "max_adapters quota (2)" in str(outcome[0])
     assert [a.name for a in store.list("acme")] == ["a", "b"]
 
 
