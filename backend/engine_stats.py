@@ -66,6 +66,7 @@ class EngineStats:
         self.failed: dict[tuple[str, str], int] = {}  # (label, reason), ended by the engine
         self.refused: dict[tuple[str, str], int] = {}  # (label, reason), refused before reaching the engine
         self._refused_lock = threading.Lock()
+        self.tenants_file_reload_failures = 0  # checks that found the tenants file unloadable (set by the model)
 
     def discard_observations(self) -> None:
         """No publisher will drain them (custom metrics off): record none."""

@@ -68,6 +68,8 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
     Family("adapter_evictions_total", COUNTER, ("tier",),
            "Adapters evicted from a device slot (device) or from host memory (host)"),
     Family("preemptions_total", COUNTER, (), "Sequences preempted"),
+    Family("tenants_file_reload_failures_total", COUNTER, (),
+           "Checks that found the tenants file unreadable, invalid or gone (the last good tenants stay in force)"),
     Family("time_to_first_token_seconds", HISTOGRAM, T, "Arrival to first generated token, per tenant", TTFT_BUCKETS),
     Family("time_per_output_token_seconds", HISTOGRAM, T,
            "Mean time between a request's token-producing steps, per tenant (requests with 2+ tokens)", TPOT_BUCKETS),
@@ -152,4 +154,5 @@ def live_values(stats) -> Values:
     _per_label(values, "requests_running", running)
     _per_label(values, "requests_waiting", waiting)
     _per_label(values, "request_failure_total", stats.failures())
+    values[("tenants_file_reload_failures_total", ())] = stats.tenants_file_reload_failures
     return values

@@ -242,6 +242,11 @@ class TenantResolver:
         """True with a tenants file (only keys establish tenants), False in development mode."""
         return self.file is not None
 
+    def refresh(self) -> None:
+        """Check the tenants file now (rate-limited), as a lookup would; nothing in development mode."""
+        if self.file is not None:
+            self.file.refresh()
+
     def resolve_tenant(self, parameters: Mapping) -> Tenant:
         """The request's Tenant (with its quotas); raises InvalidApiKey when a tenants file is in use and the key matches none.
 

@@ -15,7 +15,9 @@ import triton_python_backend_utils as pb_utils
 from ..config import STOP_FILE_ENV, serving_cpu_threads
 from ..engine import LLMEngine
 from ..metrics import OTHER_TENANTS
+from ..prompt_bound import check_prompt_bytes
 from ..tenancy import TenantResolver
+from .admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
 from .errors import error_code
 from .metrics_publisher import start_publisher
 from .model_config import engine_config_from_model_config, multi_lora_for
@@ -34,7 +36,7 @@ INPUT_NAMES = (
 
 
 class TritonPythonModel:
-    """Triton entry point: execute() validates and enqueues; threads do the rest."""
+    """Triton entry point: execute() parses and hands each request to the admission pool; threads do the rest."""
 
     def initialize(self, args):
         logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"))
@@ -53,6 +55,10 @@ class TritonPythonModel:
         self.responder = Responder(pb_utils, self.engine.abort, self._decode_token, config.stream_interval)
         self.engine.on_outputs = self.responder.push
         self.metrics = start_publisher(pb_utils, model_config, args["model_name"], args["model_version"], self.engine)
+        if self.tenants.file is not None:
+            self.tenants.file.on_failure = self._tenants_file_failed
+        self.admission = AdmissionPool(config.admission_workers,
+                                       None if self.tenants.authenticated else DEVELOPMENT_BACKLOG_CHARS)
         self.responder.start()
         self.engine.start()
         self._finalizing = threading.Event()
@@ -73,6 +79,7 @@ class TritonPythonModel:
             if stop_file and os.path.exists(stop_file):
                 log.info("the server is being stopped (%s): ending the requests model %s holds", stop_file, name)
                 break
+            self.tenants.refresh()  # a broken or vanished tenants file is reported even without traffic
             if was_ready and time.monotonic() - asked < UNLOAD_POLL_SECONDS:
                 continue
             asked = time.monotonic()
@@ -89,43 +96,61 @@ class TritonPythonModel:
                 break
         else:
             return  # finalize() ends them
+        self.admission.close()
         self.responder.push(self.engine.shutdown())
 
     def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
+    def _tenants_file_failed(self) -> None:
+        """A check found the tenants file unloadable: count it in the metrics."""
+        self.engine.stats.tenants_file_reload_failures = self.tenants.file.reload_failures
+        if self.metrics is not None:
+            self.metrics.wake()
+
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            label = OTHER_TENANTS  # no tenant yet: refused before its key was checked
             try:
-                self._enqueue(request, sender)
+                parameters = json.loads(request.parameters() or "{}")
+                tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key: refused before any work
+                label = self.engine.tenant_labels.label(tenant.name, tenant.authenticated)
+                self.admission.submit(self._job(request, sender, parameters, tenant, label))
             except Exception as exc:  # every request ends with exactly one final response
-                if error_code(pb_utils, exc) == pb_utils.TritonError.INTERNAL:
-                    log.exception("request failed before it was queued")
-                self.responder.send_exception(sender, exc)
+                self._refuse(sender, label, exc)
         return None
 
-    def _enqueue(self, request, sender) -> None:
-        label = OTHER_TENANTS  # no tenant yet: refused before its key was checked
-        try:
-            parameters = json.loads(request.parameters() or "{}")
-            tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key is refused before any other work
-            label = self.engine.tenant_labels.label(tenant.name, tenant.authenticated)
-            self._enqueue_for(request, sender, parameters, tenant)
-        except Exception as exc:
-            self.engine.stats.refuse(label, exc)
-            if self.metrics is not None:
-                self.metrics.wake()
-            raise
+    def _refuse(self, sender, label: str, exc: Exception) -> None:
+        """The one final response of a request refused before the engine held it, counted."""
+        self.engine.stats.refuse(label, exc)
+        if self.metrics is not None:
+            self.metrics.wake()
+        if error_code(pb_utils, exc) == pb_utils.TritonError.INTERNAL:
+            log.error("request failed before it was queued", exc_info=exc)
+        self.responder.send_exception(sender, exc)
 
-    def _enqueue_for(self, request, sender, parameters: dict, tenant) -> None:
+    def _job(self, request, sender, parameters: dict, tenant, label: str) -> Job:
+        """Parse and bound a request on execute()'s thread (cheap); its tokenizing and queueing, for a worker."""
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         parsed = parse_generate_input(inputs, parameters, tenant.name)
+        check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes)
         request_id = f"{next(self.ids)}:{request.request_id()}"
+
+        def run() -> None:
+            try:
+                self._admit(request_id, sender, parsed, tenant)
+            except Exception as exc:  # noqa: BLE001 - answered here, as execute() would have
+                self._refuse(sender, label, exc)
+
+        return Job(tenant.name, len(parsed.prompt), run, lambda exc: self._refuse(sender, label, exc))
+
+    def _admit(self, request_id: str, sender, parsed, tenant) -> None:
+        """On an admission worker: tokenize, validate, register with the responder and queue in the engine."""
         engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, tenant.name, tenant)
         engine_request.wants_logprobs = parsed.returns["return_cumulative_logprob"] or parsed.params.logprobs is not None
         self.responder.register(
@@ -133,13 +158,14 @@ class TritonPythonModel:
         )
         try:
             self.engine.add_request(engine_request)
-        except Exception:  # over max_waiting_requests, or shutting down: answered by execute()
+        except Exception:  # over a quota or the queue share, or shutting down: answered by the caller
             self.responder.unregister(request_id)
             raise
 
     def finalize(self):
         """Unloading: every request still held ends with UNAVAILABLE, then the threads stop."""
         self._finalizing.set()
+        self.admission.close()
         self.responder.push(self.engine.shutdown())
         self.responder.stop()
         if self.metrics is not None:
