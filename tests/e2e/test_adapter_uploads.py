@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import shutil
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -31,14 +32,15 @@ from loraplex.clients.generate import stream_generate
 from loraplex.tenancy import AUTH_ERROR, key_digest
 from loraplex.tritonserver import TritonServerError
 
-KEYS = {"acme": "acme-upload-key", "globex": "globex-upload-key", "metered": "metered-key", "queued": "queued-key"}
+KEYS = {"acme": "acme-upload-key", "globex": "globex-upload-key", "metered": "metered-key", "queued": "queued-key",
+        "versioned": "versioned-key"}
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Demo model: 4 layers, hidden 128, 4 heads of 32, 2 KV heads, intermediate 344: sum(in + out) over the seven
 # projections is 2312 per layer, so a rank-16 all-modules F32 adapter has 4 * 2312 * 16 * 4 = 591,872 data bytes.
 RANK16_DATA_BYTES = 4 * 2312 * 16 * 4
 MAX_ADAPTER_BYTES = RANK16_DATA_BYTES + 64 * 1024  # + room for the safetensors header; the F64 copy is twice over
 QUOTAS = {"max_adapter_rank": 16, "max_adapter_bytes": MAX_ADAPTER_BYTES}
-TENANTS = {"acme": QUOTAS, "globex": QUOTAS, "metered": {"tokens_per_minute": 40},
+TENANTS = {"acme": QUOTAS, "globex": QUOTAS, "metered": {"tokens_per_minute": 40}, "versioned": {**QUOTAS, "max_adapters": 2},
            "queued": {"max_queued_requests": 1, "max_concurrent_requests": 1}}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-uploads-"))
 TENANTS_FILE, STORE = WORK / "tenants.json", WORK / "store"
@@ -258,6 +260,27 @@ def test_inputs_that_do_not_fit_the_action_are_refused(triton_server):
     assert "upload needs the input(s) adapter_config, adapter_weights" in refused(
         triton_server, "upload", "x", headers=key("acme"))
     assert "list takes no input(s) adapter_name" in refused(triton_server, "list", "x", headers=key("acme"))
+
+
+def test_20_replacements_under_one_name_leave_the_current_and_two_retired_versions(triton_server, folders):
+    """max_adapters 2 counts every version on disk: one current and two replaced ones (kept for requests in
+    flight), then each further replacement is refused and leaves the store unchanged."""
+    config, weights = read_adapter_folder(folders["acme-support"])
+    versions = STORE / ".tenants" / hashlib.sha256(b"versioned").hexdigest()[:32] / "versions" / "x"
+    for i in range(20):
+        variant = weights[:-4] + struct.pack("<f", 0.001 * (i + 1))  # the last float: a distinct version
+        if i < 3:
+            assert call(triton_server, "upload", "x", config, variant, key("versioned"))["name"] == "x"
+            continue
+        message = refused(triton_server, "upload", "x", config, variant, headers=key("versioned"))
+        assert message.startswith("tenant 'versioned' already has 3 adapter version(s) on disk (1 current and 2 "
+                                  "replaced or deleted, kept 600 s for requests in flight (the oldest is removed in "), \
+            message
+        assert message.endswith("s)), its max_adapters quota (2 plus the version a replacement retires): retry then")
+    assert len(list(versions.iterdir())) == 3
+    assert call(triton_server, "info", "x", headers=key("versioned"))["digest"] == hashlib.sha256(
+        len(config.encode()).to_bytes(8, "little") + config.encode()
+        + weights[:-4] + struct.pack("<f", 0.003)).hexdigest()
 
 
 # replicas, restart ---------------------------------------------------------------------------

@@ -601,3 +601,20 @@ def test_lock_file_is_flockable(store, good, hf_config):
     with open(v.path.parent.parent.parent / ".lock", "a+b") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds it between operations
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def test_lora_adapters_answers_a_full_store_with_unavailable(monkeypatch):
+    """The store-wide cap is the server's capacity (UNAVAILABLE, retryable); a tenant's quota stays INVALID_ARG."""
+    import importlib
+    import types
+
+    codes = types.SimpleNamespace(UNAVAILABLE="UNAVAILABLE", INVALID_ARG="INVALID_ARG", NOT_FOUND="NOT_FOUND",
+                                  UNSUPPORTED="UNSUPPORTED", INTERNAL="INTERNAL", CANCELLED="CANCELLED")
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TritonError=codes))
+    sys.modules.pop("loraplex.triton.adapters_model", None)
+    try:
+        model = importlib.import_module("loraplex.triton.adapters_model").TritonPythonModel
+        assert model._error_code(StoreFull(FULL.format(1))) == "UNAVAILABLE"
+        assert model._error_code(AdapterStoreError("tenant 'acme' already has ...")) == "INVALID_ARG"
+    finally:
+        sys.modules.pop("loraplex.triton.adapters_model", None)  # bound to the fake pb_utils
