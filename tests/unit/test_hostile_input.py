@@ -93,10 +93,13 @@ def test_accepted_requests_end_once_and_the_engine_returns_to_idle(engine, batch
     assert engine.num_waiting_requests() == 0 and engine._requests == {}
 
 
-def test_a_megabyte_prompt_is_refused_by_length(engine):
+def test_a_megabyte_prompt_is_refused_by_its_bytes_before_tokenizing(engine):
     parsed = parse(MEGABYTE_PROMPT, None, {}, None)
-    with pytest.raises(InvalidRequest, match="exceeds the model's max length 48"):
+    size = len(parsed.prompt.encode("utf-8"))
+    assert engine.max_prompt_bytes == 48 * 5  # max_model_len x the byte tokenizer's longest token ("<pad>")
+    with pytest.raises(InvalidRequest) as err:
         engine.make_request("big", parsed.prompt, parsed.params)
+    assert str(err.value) == f"text_input is {size} bytes; at most 240 are accepted (max_prompt_bytes)"
 
 
 @pytest.mark.parametrize("prompt, message", [
