@@ -356,8 +356,7 @@ class AdapterStore:
         return TenantUsage(current=counts[0], retired=counts[1], bytes=size, next_free=next_free)
 
     def _check_count(self, tenant: Tenant, usage: TenantUsage, replacing: bool) -> None:
-        """Refuse a new version unless the tenant's versions on disk leave room under max_adapters
-        (plus one when it replaces a current version, which then stays on disk, retired, for the grace period)."""
+        """Refuse a new version unless the tenant's versions on disk leave room under max_adapters (+1 to replace)."""
         limit = tenant.max_adapters + replacing
         if not tenant.max_adapters or usage.versions < limit:
             return
@@ -454,8 +453,7 @@ class AdapterStore:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def _install(self, tenant: Tenant, target: Path, config_bytes: bytes, weights: bytes, digest: str) -> None:
-        """Write a version folder: staging folder, fsync each file, verify; then, under the store's lock,
-        check the store-wide cap and rename it into place; fsync the parent."""
+        """Write a version folder: stage and verify it, then check the cap and rename it under the store's lock."""
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         staging.mkdir()
@@ -477,8 +475,7 @@ class AdapterStore:
         _fsync_dir(target.parent)
 
     def _gc(self, tdir: Path, keep: set[tuple[str, str]] = frozenset()) -> int:
-        """Remove version folders no pointer names and stale ``.tmp-*`` leftovers, once past the grace period;
-        returns how many version folders it removed (call it under the tenant's lock)."""
+        """Remove unnamed version folders and ``.tmp-*`` leftovers past the grace period (under the tenant's lock)."""
         removed = 0
         cutoff = self.clock() - RETIRED_VERSION_GRACE_SECONDS
         current = {(a.name, a.version) for a in self._pointers(tdir, "")} | set(keep)

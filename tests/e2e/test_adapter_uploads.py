@@ -40,7 +40,8 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 RANK16_DATA_BYTES = 4 * 2312 * 16 * 4
 MAX_ADAPTER_BYTES = RANK16_DATA_BYTES + 64 * 1024  # + room for the safetensors header; the F64 copy is twice over
 QUOTAS = {"max_adapter_rank": 16, "max_adapter_bytes": MAX_ADAPTER_BYTES}
-TENANTS = {"acme": QUOTAS, "globex": QUOTAS, "metered": {"tokens_per_minute": 40}, "versioned": {**QUOTAS, "max_adapters": 2},
+TENANTS = {"acme": QUOTAS, "globex": QUOTAS, "metered": {"tokens_per_minute": 40},
+           "versioned": {**QUOTAS, "max_adapters": 2},
            "queued": {"max_queued_requests": 1, "max_concurrent_requests": 1}}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-uploads-"))
 TENANTS_FILE, STORE = WORK / "tenants.json", WORK / "store"
@@ -273,9 +274,9 @@ def test_20_replacements_under_one_name_leave_the_current_and_two_retired_versio
             assert call(triton_server, "upload", "x", config, variant, key("versioned"))["name"] == "x"
             continue
         message = refused(triton_server, "upload", "x", config, variant, headers=key("versioned"))
-        assert message.startswith("tenant 'versioned' already has 3 adapter version(s) on disk (1 current and 2 "
-                                  "replaced or deleted, kept 600 s for requests in flight (the oldest is removed in "), \
-            message
+        assert message.startswith("tenant 'versioned' already has 3 adapter version(s) on disk (1 current and "
+                                  "2 replaced or deleted, kept 600 s for requests in flight (the oldest is removed "
+                                  "in "), message
         assert message.endswith("s)), its max_adapters quota (2 plus the version a replacement retires): retry then")
     assert len(list(versions.iterdir())) == 3
     assert call(triton_server, "info", "x", headers=key("versioned"))["digest"] == hashlib.sha256(
