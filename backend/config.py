@@ -45,6 +45,8 @@ class EngineConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks (at least 1) kept free at admission for running seqs
     fair_share: str = "vtc"  # vtc: admit the backlogged tenant with the least weighted served tokens first | off
     max_metric_tenants: int = 100  # development mode: distinct tenant labels in metrics; the rest count as "other"
+    metric_tenant_label: str = "name"  # "name", or "hash": a stable hash of the name (metrics.hashed_tenant) instead
+    metric_tenant_salt: str = ""  # mixed into "hash" labels: the same on every replica keeps them comparable
     max_adapter_wait_steps: int = 32  # a request skipped this many steps for want of an adapter slot blocks later ones
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # tenant | global
@@ -96,6 +98,7 @@ class EngineConfig:
             (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps must be >= 0"),
             (self.fair_share in ("vtc", "off"), "fair_share must be vtc or off"),
             (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
+            (self.metric_tenant_label in ("name", "hash"), "metric_tenant_label must be 'name' or 'hash'"),
             (self.cpu_threads >= 0, "cpu_threads must be >= 0 (0 = auto)"),
             (self.native_threads >= 0, "native_threads must be >= 0 (0 = auto)"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),

@@ -108,7 +108,7 @@ class LLMEngine:
         self._loading: dict[str, Request] = {}  # request id -> request whose adapter the preloader reads
         self._cancelled_loading: set[str] = set()  # aborted while their adapter was being read
         self.quotas = TenantQuotas(config.max_waiting_requests, config.tenant_queue_share)
-        self.tenant_labels = TenantLabels(config.max_metric_tenants)
+        self.tenant_labels = TenantLabels.from_config(config)
         self.num_host_blocks = self._num_host_blocks()
         self.eos_token_ids = self._eos_ids(hf_config)
         self.vocab_size = hf_config.vocab_size

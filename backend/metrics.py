@@ -8,6 +8,7 @@ Prometheus sees, prefix `loraplex_`; a histogram by its base name (the port show
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -90,23 +91,34 @@ UPLOADS = Family("adapter_uploads_total", COUNTER, T, "Adapter versions uploaded
 EXPORTED_METRICS = frozenset(PREFIX + f.name for f in (*FAMILIES, UPLOADS))
 
 
+def hashed_tenant(name: str, salt: str = "") -> str:
+    """A stable label for a tenant that does not show its name: "t" and 12 hex digits of sha256(salt, name)."""
+    return "t" + hashlib.sha256(f"{len(salt)}:{salt}:{name}".encode()).hexdigest()[:12]
+
+
 class TenantLabels:
     """Bounded tenant label values: authenticated tenants (a tenants file) keep their names; in
-    development mode the first `max_distinct` names clients send do, and the rest count as "other"."""
+    development mode the first `max_distinct` names clients send do, and the rest count as "other".
+    With `hashed`, each kept name is shown as hashed_tenant(name, salt)."""
 
-    def __init__(self, max_distinct: int):
-        self.max_distinct = max_distinct
+    def __init__(self, max_distinct: int, hashed: bool = False, salt: str = ""):
+        self.max_distinct, self.hashed, self.salt = max_distinct, hashed, salt
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_config(cls, config) -> "TenantLabels":
+        """The labels an EngineConfig asks for."""
+        return cls(config.max_metric_tenants, config.metric_tenant_label == "hash", config.metric_tenant_salt)
+
     def label(self, tenant: str, authenticated: bool) -> str:
-        if authenticated or tenant in self._seen:
-            return tenant
-        with self._lock:
-            if len(self._seen) < self.max_distinct:
+        """The label value for this tenant."""
+        if not (authenticated or tenant in self._seen):
+            with self._lock:
+                if len(self._seen) >= self.max_distinct:
+                    return OTHER_TENANTS
                 self._seen.add(tenant)
-                return tenant
-        return OTHER_TENANTS
+        return hashed_tenant(tenant, self.salt) if self.hashed else tenant
 
 
 Values = dict[tuple[str, tuple], float]  # (family name, its label values) -> value

@@ -109,7 +109,7 @@ class TritonPythonModel:
         self._collector = None
         self._stopped = threading.Event()
         self._hf_config = None
-        self.tenant_labels = TenantLabels(self.config.max_metric_tenants)
+        self.tenant_labels = TenantLabels.from_config(self.config)
         self.metrics = make_metrics(pb_utils, model_config, args["model_name"], args["model_version"], (UPLOADS,))
         log.info("lora_adapters ready: adapter store %s", self.config.adapter_store or "(none: uploads disabled)")
         if self.config.adapter_store:
@@ -144,9 +144,8 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
             except Exception as exc:  # every request gets exactly one response
                 code = self._error_code(exc)
-                if code == pb_utils.TritonError.INTERNAL:
-                    log.exception("adapter request failed")
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(self._message(exc), code)))
+                message = self._internal(exc) if code == pb_utils.TritonError.INTERNAL else self._message(exc)
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
         return responses
 
     def _handle(self, request) -> dict:
@@ -195,6 +194,12 @@ class TritonPythonModel:
         from .errors import error_message  # imports torch (through loraplex.lora)
 
         return error_message(exc)
+
+    @staticmethod
+    def _internal(exc: Exception) -> str:
+        from .errors import client_error  # logs the details under the reference the message names
+
+        return client_error(pb_utils, exc)[0]
 
     @staticmethod
     def _error_code(exc: Exception):

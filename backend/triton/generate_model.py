@@ -18,7 +18,6 @@ from ..metrics import OTHER_TENANTS
 from ..prompt_bound import check_prompt_bytes
 from ..tenancy import TenantResolver
 from .admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
-from .errors import error_code
 from .metrics_publisher import start_publisher
 from .model_config import engine_config_from_model_config, multi_lora_for
 from .parsing import parse_generate_input
@@ -126,9 +125,7 @@ class TritonPythonModel:
         self.engine.stats.refuse(label, exc)
         if self.metrics is not None:
             self.metrics.wake()
-        if error_code(pb_utils, exc) == pb_utils.TritonError.INTERNAL:
-            log.error("request failed before it was queued", exc_info=exc)
-        self.responder.send_exception(sender, exc)
+        self.responder.send_exception(sender, exc)  # an INTERNAL one is logged there, with its reference
 
     def _job(self, request, sender, parameters: dict, tenant, label: str) -> Job:
         """Parse and bound a request on execute()'s thread (cheap); its tokenizing and queueing, for a worker."""

@@ -176,6 +176,21 @@ def test_development_tenant_labels_are_bounded_and_the_rest_are_other():
     assert labels.label("known-from-the-tenants-file", True) == "known-from-the-tenants-file"
 
 
+def test_hashed_tenant_labels_are_stable_per_salt_and_do_not_show_the_name():
+    from loraplex.config import EngineConfig
+    from loraplex.metrics import hashed_tenant
+
+    labels = TenantLabels.from_config(EngineConfig(metric_tenant_label="hash", metric_tenant_salt="s3"))
+    assert labels.label("acme", True) == hashed_tenant("acme", "s3") == labels.label("acme", True)
+    assert hashed_tenant("acme", "s3") == "t" + __import__("hashlib").sha256(b"2:s3:acme").hexdigest()[:12]
+    assert len({hashed_tenant("acme", ""), hashed_tenant("acme", "s3"), hashed_tenant("globex", "s3")}) == 3
+    assert "acme" not in labels.label("acme", True)
+    dev = TenantLabels(max_distinct=1, hashed=True)
+    assert [dev.label("a", False), dev.label("b", False)] == [hashed_tenant("a"), OTHER_TENANTS]
+    with pytest.raises(ValueError, match="metric_tenant_label must be 'name' or 'hash'"):
+        EngineConfig.from_dict({"metric_tenant_label": "sha"})
+
+
 # ---- adapter versions ------------------------------------------------------------------------------
 class Registry:
     """Records what AdapterVersions registers with the AdapterManager."""
