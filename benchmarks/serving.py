@@ -96,6 +96,21 @@ PAYLOAD_TEMPLATE = (
 )
 
 
+# --api-keys: the tenants file every server gets and the key every request carries (empty: development mode)
+AUTH: dict[str, str] = {}
+
+
+def use_api_keys(run_dir: Path) -> None:
+    """Serve authenticated (a tenants file of one tenant, its quotas at their defaults) and send its key."""
+    from loraplex.tenancy import new_key
+
+    key, digest = new_key()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tenants = run_dir / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"bench": {"api_key_sha256": digest}}}))
+    AUTH.update(tenants_file=str(tenants), api_key=key)
+
+
 @dataclass
 class Workload:
     """What AIPerf sends to every configuration."""
@@ -233,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the server" + default)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--api-keys", action="store_true",
+                    help="serve with a tenants file of one tenant (authenticated mode: its quotas at their defaults, "
+                         "Triton's admin APIs closed) and send that tenant's key with every request")
     return ap
 
 
@@ -300,7 +318,8 @@ class Launcher:
         self.command = [str(Path(sys.executable).with_name("loraplex-serve")), *model_flags, "--quiet",
                         "--address", "127.0.0.1", "--http-port", str(self.http_port),
                         "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
-                        "--adapter-store", str(store), "--engine-config", json.dumps(engine_config)]
+                        "--adapter-store", str(store), "--engine-config", json.dumps(engine_config),
+                        *(["--tenants-file", AUTH["tenants_file"]] if AUTH else [])]
         self.log_path = log_path
         self.env = server_environment(env)
         self.proc: subprocess.Popen | None = None
@@ -356,6 +375,8 @@ def warm_up(http_url: str, adapters: list[str]) -> int:
     """
     for name in adapters:
         parameters = {"max_tokens": WARM_UP_TOKENS, "temperature": 0, "ignore_eos": True}
+        if AUTH:
+            parameters["api_key"] = AUTH["api_key"]
         if name != BASE_MODEL:
             parameters["lora_name"] = name
         body = json.dumps({"text_input": "warm-up", "parameters": parameters}).encode()
@@ -535,7 +556,8 @@ def write_template(out_dir: Path) -> Path:
     """The payload template AIPerf renders per request, as a file in ``out_dir`` (made if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     template = out_dir / "payload_template.json"
-    template.write_text(PAYLOAD_TEMPLATE)
+    key = f', "api_key": {json.dumps(AUTH["api_key"])}' if AUTH else ""
+    template.write_text(PAYLOAD_TEMPLATE.replace('"temperature": 0', '"temperature": 0' + key, 1))
     return template
 
 
@@ -841,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serving.py: no aiperf at {args.aiperf}; `make bench` installs it", file=sys.stderr)
         return 2
     run_dir = Path(args.artifacts) if args.artifacts else ROOT / ".cache" / "serving" / f"run-{os.getpid()}"
+    if args.api_keys:
+        use_api_keys(run_dir)
     if args.workload == "w1":
         return main_w1(args, run_dir)
     configs = chosen_configs(args)
