@@ -208,9 +208,6 @@ class TritonPythonModel:
             return codes.UNSUPPORTED
         if isinstance(exc, InvalidRequest):  # a bad or missing API key included
             return codes.INVALID_ARG
-        from ..lora.store import StoreFull
         from .errors import error_code
 
-        if isinstance(exc, StoreFull):  # the server's capacity, not the request: retry once versions are collected
-            return codes.UNAVAILABLE
         return error_code(pb_utils, exc)

@@ -7,7 +7,7 @@ import secrets
 
 from ..lora.adapter import AdapterError
 from ..lora.manager import AdapterNotFound
-from ..lora.store import AdapterStoreError
+from ..lora.store import AdapterStoreError, StoreFull
 from ..request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
 
 MAX_MESSAGE_CHARS = 2000
@@ -17,11 +17,13 @@ log = logging.getLogger("loraplex.triton")
 
 
 def error_code(pb_utils, exc: Exception):
-    """INVALID_ARG for bad input or a bad adapter, NOT_FOUND, UNAVAILABLE, CANCELLED; else INTERNAL."""
+    """INVALID_ARG for bad input or a bad adapter, NOT_FOUND, UNAVAILABLE (overload, a full store), CANCELLED;
+    else INTERNAL."""
     codes = pb_utils.TritonError
     for kind, code in (
         (InvalidRequest, codes.INVALID_ARG),
         (AdapterError, codes.INVALID_ARG),
+        (StoreFull, codes.UNAVAILABLE),  # the server's capacity, not the request: retry once versions are collected
         (AdapterStoreError, codes.INVALID_ARG),
         (AdapterNotFound, codes.NOT_FOUND),
         (EngineOverloaded, codes.UNAVAILABLE),

@@ -350,11 +350,13 @@ def test_an_upload_through_one_replica_is_served_by_the_other_at_once(triton_ser
 # ---- request quotas (tenants `metered` and `queued` of the tenants file) ------------------------
 def test_tokens_per_minute_refuses_with_unavailable_once_the_minute_is_spent(triton_server):
     headers = {"x-api-key": KEYS["metered"]}
-    first = stream_generate(triton_server.grpc_url, "spend", {"max_tokens": 40, "ignore_eos": True,
+    too_big = stream_generate(triton_server.grpc_url, "spend", {"max_tokens": 40}, headers=headers)
+    assert "more than the tenant's tokens_per_minute=40; lower max_tokens or n" in str(too_big.error)
+    first = stream_generate(triton_server.grpc_url, "spend", {"max_tokens": 30, "ignore_eos": True,
                                                              "temperature": 0}, headers=headers)
-    assert first.error is None and first.final_count == 1
+    assert first.error is None and first.final_count == 1  # 6 prompt tokens + 30 reserved, all used
     refused = stream_generate(triton_server.grpc_url, "more", {"max_tokens": 2}, headers=headers)
-    assert refused.error is not None and "tokens_per_minute=40" in str(refused.error)
+    assert refused.error is not None and "tokens_per_minute=40 (36 tokens served or reserved" in str(refused.error)
     assert "retry later" in str(refused.error)
     other = stream_generate(triton_server.grpc_url, "others are served", {"max_tokens": 2},
                             headers={"x-api-key": KEYS["acme"]})
