@@ -104,24 +104,26 @@ class Intake:
                 ended = True
             await send(message)
 
-        app = asyncio.ensure_future(self.app(scope, replay, tagged_send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        left = False
+        current, left, finished = asyncio.current_task(), False, False
+
+        async def watch():
+            nonlocal left
+            await _disconnected(receive)
+            gone.set()
+            if not ended and not finished:  # the client went away before its response ended
+                left = True
+                current.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait((app, watch), return_when=asyncio.FIRST_COMPLETED)
-            if watch.done():
-                gone.set()
-                left = not ended and not app.done()
-                if left:  # the client went away before its response ended
-                    app.cancel()
-            try:
-                await app
-            except asyncio.CancelledError:
-                if not left or asyncio.current_task().cancelling():
-                    raise
+            await self.app(scope, replay, tagged_send)
+        except asyncio.CancelledError:
+            if not left or current.cancelling() > 1:
+                raise
         finally:
-            watch.cancel()
-            if not app.done():
-                app.cancel()
+            finished = True
+            watcher.cancel()
+            if left:
+                current.uncancel()
             for callback in scope[ON_CLOSE]:
                 callback()

@@ -171,3 +171,4 @@ def test_an_unreachable_triton_is_503():
     with pytest.raises(OpenAIError) as e:
         asyncio.run(run())
     assert e.value.status == 503 and "unreachable" in e.value.message
+    assert str(port) not in e.value.message and "127.0.0.1" not in e.value.message  # no internal address
