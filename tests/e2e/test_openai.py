@@ -229,11 +229,14 @@ def test_errors_map_to_openai_statuses(gateway, stream):
 
 def test_over_quota_is_429_and_others_are_served(gateway):
     metered = client(gateway, "metered")
-    metered.completions.create(model=BASE, prompt="spend", max_tokens=30, temperature=0,
-                               extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError) as e:  # could never fit the quota: retrying does not help
+        metered.completions.create(model=BASE, prompt="spend", max_tokens=30)
+    assert "more than the tenant's tokens_per_minute=30" in e.value.body["message"]
+    metered.completions.create(model=BASE, prompt="spend", max_tokens=20, temperature=0,
+                               extra_body={"ignore_eos": True})  # 6 prompt tokens + 20 reserved, all used
     with pytest.raises(openai.RateLimitError) as e:
-        metered.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=2)
-    assert e.value.status_code == 429 and "tokens_per_minute=30" in e.value.body["message"]
+        metered.completions.create(model=BASE, prompt="more", max_tokens=2)
+    assert e.value.status_code == 429 and "tokens_per_minute=30 (26 tokens" in e.value.body["message"]
     assert client(gateway, "acme").completions.create(model=BASE, prompt="ok", max_tokens=2).choices
 
 
