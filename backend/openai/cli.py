@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="loraplex-openai", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC address (host:port)")
-    ap.add_argument("--host", default="0.0.0.0", help="address the gateway binds to")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address the gateway binds to (0.0.0.0: every address; loraplex-serve passes its --address)")
     ap.add_argument("--port", type=int, default=9000, help="port the gateway listens on")
     ap.add_argument("--model-dir", default=None,
                     help=f"the checkpoint Triton serves (its tokenizer renders chat templates); default: "

@@ -33,7 +33,7 @@ class GatewayProcess:
 
     triton_url: str
     port: int
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     model_dir: str | None = None
     served_model_name: str | None = None
     log_level: str = "warning"
