@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import requests
 
 from loraplex.clients import metrics
 from loraplex.clients.load import chosen_token_ids
+from loraplex.tritonserver import free_ports
 
 
 def token_ids_of(result) -> list[int]:
@@ -45,3 +52,35 @@ def wait_for_positive(server, name: str, timeout: float = 20.0, **labels) -> flo
         if (value or 0) > 0 or time.monotonic() > deadline:
             return value
         time.sleep(0.02)
+
+
+@contextmanager
+def run_gateway(triton_grpc_url: str, model_dir, log_path: Path, *flags: str):
+    """`loraplex-openai` as its own process on 127.0.0.1 in front of a server; yields its base URL once it answers."""
+    (port,) = free_ports(1)
+    cmd = [str(Path(sys.executable).with_name("loraplex-openai")), "--triton-url", triton_grpc_url,
+           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(model_dir), "--log-level", "warning",
+           *flags]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -28,7 +28,7 @@ from loraplex.tenancy import key_digest
 KEYS = {"alpha": "alpha-metrics-key", "beta": "beta-metrics-key", "gamma": "gamma-metrics-key"}
 TENANTS_FILE = Path(tempfile.mkdtemp(prefix="loraplex-metrics-")) / "tenants.json"
 TENANTS_FILE.write_text(json.dumps({"tenants": {
-    name: {"api_key_sha256": key_digest(key).hex(), **({"tokens_per_minute": 1} if name == "gamma" else {})}
+    name: {"api_key_sha256": key_digest(key).hex(), **({"tokens_per_minute": 20} if name == "gamma" else {})}
     for name, key in KEYS.items()}}))
 ALPHA = [("count my tokens", {"max_tokens": 5}), ("and these too", {"max_tokens": 3, "lora_name": "demo-a"})]
 LABELS = {"model": "lora_llm", "version": "1"}
@@ -76,7 +76,8 @@ def traffic(triton_server, demo):
     assert timed_out.error is None and timed_out.responses[-1]["finish_reason"] == ["timeout"]
     cancel_after_first_response(triton_server, "beta")
     assert generate(triton_server, "gamma", "within quota", {"max_tokens": 2}).error is None
-    assert "tokens_per_minute" in str(generate(triton_server, "gamma", "over quota", {"max_tokens": 2}).error)
+    over = generate(triton_server, "gamma", "over quota", {"max_tokens": 2}).error  # 15 reserved + 14 > 20
+    assert "tenant quota exceeded: tokens_per_minute=20" in str(over)
     assert generate(triton_server, "nobody", "who am i", {"max_tokens": 2}).error is not None
     tokenizer = AutoTokenizer.from_pretrained(demo["model"])
     return sum(len(tokenizer(prompt).input_ids) for prompt, _ in ALPHA)

@@ -8,26 +8,19 @@ rendered with exactly one BOS. One server with a tenants file (keys for 401, a m
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 import requests
-from helpers import scrape, wait_for_metric
+from helpers import run_gateway, scrape, wait_for_metric
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
 from loraplex.clients.adapters import upload_adapter
 from loraplex.clients.generate import stream_generate
 from loraplex.tenancy import AUTH_ERROR, key_digest
-from loraplex.tritonserver import free_ports
 
 KEYS = {"acme": "acme-openai-key", "globex": "globex-openai-key", "metered": "metered-openai-key"}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-openai-"))
@@ -49,32 +42,8 @@ triton_server = make_triton_server_fixture(env={"LORAPLEX_TENANTS_FILE": str(TEN
 @pytest.fixture(scope="module")
 def gateway(triton_server, demo):
     """`loraplex-openai` as its own process in front of the module's server; yields its base URL."""
-    (port,) = free_ports(1)
-    cmd = [str(Path(sys.executable).with_name("loraplex-openai")), "--triton-url", triton_server.grpc_url,
-           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(demo["model"]), "--log-level", "warning"]
-    log = open(WORK / "gateway.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (WORK / "gateway.log").read_text()
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, (WORK / "gateway.log").read_text()
-            time.sleep(0.2)
+    with run_gateway(triton_server.grpc_url, demo["model"], WORK / "gateway.log") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def client(gateway, tenant: str = "acme", **kw) -> openai.OpenAI:

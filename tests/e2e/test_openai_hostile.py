@@ -11,12 +11,8 @@ counts an abort while the request ahead of it still runs).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,11 +22,10 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from helpers import scrape
+from helpers import run_gateway, scrape
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
 from loraplex.tenancy import key_digest
-from loraplex.tritonserver import free_ports
 
 KEYS = {"acme": "acme-hostile-key", "mallory": "mallory-hostile-key", "queued": "queued-hostile-key"}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-openai-hostile-"))
@@ -73,33 +68,8 @@ def spinning_model_dir(demo) -> Path:
 @pytest.fixture(scope="module")
 def gateway(triton_server, demo):
     """`loraplex-openai` with small limits in front of the module's server; yields its base URL."""
-    (port,) = free_ports(1)
-    cmd = [str(Path(sys.executable).with_name("loraplex-openai")), "--triton-url", triton_server.grpc_url,
-           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(spinning_model_dir(demo)),
-           "--served-model-name", BASE, "--log-level", "warning", *GATEWAY_FLAGS]
-    log = open(WORK / "gateway.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (WORK / "gateway.log").read_text()
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, (WORK / "gateway.log").read_text()
-            time.sleep(0.2)
+    with run_gateway(triton_server.grpc_url, spinning_model_dir(demo), WORK / "gateway.log", "--served-model-name", BASE, *GATEWAY_FLAGS) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def client(gateway, tenant: str, timeout: float = GOOD_BOUND_S) -> openai.OpenAI:
