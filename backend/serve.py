@@ -380,23 +380,18 @@ def listen_address(args: argparse.Namespace) -> str:
     return address
 
 
-def admin_key(args: argparse.Namespace) -> str | None:
-    """The operator key closing Triton's own APIs: the given one, a random unshown one with keys, else none."""
-    args.admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
-    if args.admin_key:
-        return args.admin_key
-    return secrets.token_urlsafe(32) if args.tenants_file is not None else None
-
-
-def admin_text(args: argparse.Namespace) -> str:
-    """One line on who may call Triton's own APIs."""
+def admin_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The operator key closing Triton's own APIs (the given one, a random unshown one with keys, else none)
+    and one line saying who may call them."""
+    given = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
     apis = ", ".join(RESTRICTED_APIS)
-    if args.admin_key:
-        return (f"Triton's admin APIs ({apis}) answer only with the header {ADMIN_HEADER} (gRPC: "
-                f"triton-grpc-protocol-{ADMIN_HEADER}) carrying the admin key")
+    if given:
+        return given, (f"Triton's admin APIs ({apis}) answer only with the header {ADMIN_HEADER} (gRPC: "
+                       f"triton-grpc-protocol-{ADMIN_HEADER}) carrying the admin key")
     if args.tenants_file is not None:
-        return f"Triton's admin APIs ({apis}) are closed (no --admin-key / ${ADMIN_KEY_ENV} given)"
-    return f"Triton's admin APIs ({apis}) are open to whoever reaches the ports (development mode)"
+        return secrets.token_urlsafe(32), (f"Triton's admin APIs ({apis}) are closed (no --admin-key / "
+                                           f"${ADMIN_KEY_ENV} given)")
+    return None, f"Triton's admin APIs ({apis}) are open to whoever reaches the ports (development mode)"
 
 
 def print_new_key(out=sys.stdout) -> int:
@@ -456,14 +451,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         store.mkdir(parents=True, exist_ok=True)
 
+    key, key_text = admin_key(args)
     server = TritonServer(
         model_repository=args.model_repository,
         env=engine_env(model_dir, store, args.engine_config, args.tenants_file),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
-        exit_timeout_secs=args.exit_timeout, admin_key=admin_key(args),
+        exit_timeout_secs=args.exit_timeout, admin_key=key,
     )
-    print(f"loraplex-serve: {admin_text(args)}", file=sys.stderr, flush=True)
+    print(f"loraplex-serve: {key_text}", file=sys.stderr, flush=True)
     gateway = None
     if args.openai_port:
         gateway = GatewayProcess(server.grpc_url, args.openai_port, address, str(Path(model_dir).resolve()),
