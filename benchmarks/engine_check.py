@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from loraplex.config import EngineConfig
-    from loraplex.demo import CHECK_PROMPTS, build_demo
-    from loraplex.engine import LLMEngine
+    from loraplex.models.builtin.demo import CHECK_PROMPTS, build_demo
+    from loraplex.engine.llm_engine import LLMEngine
     from loraplex.kernels.prefill_launch import DEFAULT_IMPL as PREFILL_DEFAULT
-    from loraplex.request import SamplingParams
+    from loraplex.engine.request import SamplingParams
     from cuda_syncs import SyncCounter
     from peft_reference import first_logits, greedy_tokens
 

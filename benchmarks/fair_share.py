@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loraplex.config import EngineConfig  # noqa: E402
-from loraplex.kv_cache import KVCacheManager, namespace_key  # noqa: E402
-from loraplex.model_runner import RunnerOutput  # noqa: E402
-from loraplex.request import Request, SamplingParams, Sequence  # noqa: E402
-from loraplex.scheduler import Scheduler  # noqa: E402
-from loraplex.tenancy import Tenant  # noqa: E402
+from loraplex.config import EngineConfig
+from loraplex.kv_cache import KVCacheManager, namespace_key
+from loraplex.worker.model_runner import RunnerOutput
+from loraplex.engine.request import Request, SamplingParams, Sequence
+from loraplex.sched.scheduler import Scheduler
+from loraplex.tenancy.tenants import Tenant
 
 
 def bench(fair_share: str, tenants: int, seqs: int, waiting: int, steps: int, limit: int = 0) -> tuple[float, float]:

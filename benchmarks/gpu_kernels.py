@@ -300,7 +300,7 @@ def bench_decode(shapes, dtype, timer, peak, deadline) -> list[dict]:
         gbs = decode_bytes(s, k.element_size()) / (kernel_ms * 1e-3) / 1e9
         rows.append({**asdict(s), "kernel_ms": kernel_ms, "torch_ms": base_ms, "speedup": base_ms / kernel_ms,
                      "gbs": gbs, "peak_fraction": gbs / peak})
-        del k, v
+        k = v = None  # the next shape's tensors get the memory
     return rows
 
 

@@ -19,7 +19,7 @@ bundle() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
 
 nvidia-smi > "$WORK/nvidia-smi.txt" 2>&1
 python3 -m pip install --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || echo "install failed (see install.log)"
-if ! python3 -c "import loraplex.engine" 2>> "$WORK/install.log"; then  # the engine needs no loraplex.clients
+if ! python3 -c "import loraplex.engine.llm_engine" 2>> "$WORK/install.log"; then  # the engine needs no loraplex.clients
   mkdir -p "$WORK/src" && ln -sfn "$PWD/backend" "$WORK/src/loraplex"
   export PYTHONPATH="$WORK/src${PYTHONPATH:+:$PYTHONPATH}"
   echo "editable install unusable: importing loraplex from $WORK/src (a link to backend/)"

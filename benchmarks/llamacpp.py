@@ -22,7 +22,7 @@ What runs:
              llama_decode carries one adapter's requests, the others wait for the next.
 
 Both get the same prompt texts (SmolLM2's chat template around four questions, round-robin:
-`loraplex.smollm2.chat_text`), greedy (temperature 0), exactly `--max-tokens` tokens each
+`loraplex.models.builtin.smollm2.chat_text`), greedy (temperature 0), exactly `--max-tokens` tokens each
 (`ignore_eos`), their default prompt caching. Workloads: for each of `--streams`, N requests
 of the base model at once; for each of `--mixed-streams`, N requests round-robin over
 pirate and french. Output tokens/s = the tokens the servers report over the wall time from
@@ -67,9 +67,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from loraplex.tritonserver import free_ports
-from serving import BASE_MODEL, Launcher, model_and_adapters, server_environment, server_threads, warm_up
-from triton_overhead import QUESTIONS, concurrently, parameters, prompts_for, through_triton
+from loraplex.launch.tritonserver import free_ports  # noqa: E402
+from serving import BASE_MODEL, Launcher, model_and_adapters, server_environment, server_threads, warm_up  # noqa: E402
+from triton_overhead import QUESTIONS, concurrently, parameters, prompts_for, through_triton  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its CHANGELOG: llama.cpp at ggml-org/llama.cpp@0c1e57098
 CACHE = ROOT / ".cache" / "llamacpp"
@@ -274,7 +274,7 @@ def llama_text(url: str, prompt: str, max_tokens: int, adapter: str) -> str:
 
 def compare_outputs(ours_url: str, llama_url: str, max_tokens: int = 24) -> list[dict]:
     """One greedy answer per adapter from both servers: the same weights should give (nearly) the same text."""
-    from loraplex.smollm2 import chat_text
+    from loraplex.models.builtin.smollm2 import chat_text
 
     prompt, rows = chat_text(QUESTIONS[3]), []
     for adapter in (BASE_MODEL, *ADAPTERS):
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
 
     model_flags, checkpoint, _ = model_and_adapters(argparse.Namespace(model_dir=None, model="smollm2",
                                                                        adapters=",".join(ADAPTERS)))
-    from loraplex.serve import builtin_model
+    from loraplex.launch.serve import builtin_model
 
     adapters_dir = builtin_model("smollm2")[1]
     src = llama_source(args.cache, args.llama_cpp_python)

@@ -7,7 +7,7 @@ S-LoRA compares against).
 What runs (same batch of --batch sequences in every row: same prompt lengths, greedy,
 ignore_eos, exactly --max-tokens generated tokens each):
 
-* engine: ``loraplex.engine.LLMEngine`` with all requests added at once, stepped on this
+* engine: ``loraplex.engine.llm_engine.LLMEngine`` with all requests added at once, stepped on this
   thread; the rows take turns over the repeats (base, 8, 32, base, ...), best of each. Decode throughput = tokens sampled in pure decode steps / the time of those steps
   (the prefill step that also samples each sequence's first token is excluded); end-to-end
   = all generated tokens / wall time from add_request to the last output.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, when imported from elsewhere
 
-import peers  # noqa: E402
+import peers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,7 +103,7 @@ def assign(batch: int, names: list[str]) -> list[str | None]:
 
 def run_engine(engine, prompts: list[str], loras: list[str | None], max_tokens: int, tag: str) -> dict:
     """One batch to completion; decode and end-to-end throughput and the generated ids."""
-    from loraplex.request import SamplingParams
+    from loraplex.engine.request import SamplingParams
 
     reqs = []
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from loraplex.config import EngineConfig
-    from loraplex.engine import LLMEngine
+    from loraplex.engine.llm_engine import LLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = make_prompts(tokenizer, args.batch, args.prompt_len)

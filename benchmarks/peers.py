@@ -96,7 +96,7 @@ def build_model_and_adapters(work: Path, num_adapters: int, rank: int, targets: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loraplex.demo import build_peft_adapter, build_tiny_llama
+    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
 
     quiet_transformers()
     if model_dir is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loraplex.kv_cache import KVCacheManager, namespace_key  # noqa: E402
+from loraplex.kv_cache import KVCacheManager, namespace_key
 
 NS = namespace_key("bench", None)
 
@@ -93,8 +93,8 @@ def bench_allocator(num_blocks: int = 65_536, block_size: int = 16, prompt_len: 
 def bench_engine(model_dir: str, seqs: int, steps: int, prompt_tokens: int) -> None:
     """Run the engine with `seqs` decoding sequences; print per-step time of the scheduler vs the model."""
     from loraplex.config import EngineConfig
-    from loraplex.engine import LLMEngine
-    from loraplex.request import SamplingParams
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.request import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=model_dir, max_num_seqs=seqs, max_num_batched_tokens=8192))
     timers = {"schedule": 0.0, "model": 0.0, "update": 0.0}
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_allocator()
     model_dir = args.model_dir
     if model_dir is None:
-        from loraplex.demo import build_demo
+        from loraplex.models.builtin.demo import build_demo
 
         model_dir = str(build_demo()["model"])
     bench_engine(model_dir, args.seqs, args.steps, args.prompt_tokens)

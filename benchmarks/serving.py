@@ -73,8 +73,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout with
 
 import peers  # noqa: E402
 
-from loraplex.processes import answers_ok, start_in_session  # noqa: E402
-from loraplex.tritonserver import free_ports  # noqa: E402
+from loraplex.launch.processes import answers_ok, start_in_session  # noqa: E402
+from loraplex.launch.tritonserver import free_ports  # noqa: E402
 
 CONFIGURATIONS = {
     "continuous": {},
@@ -102,7 +102,7 @@ AUTH: dict[str, str] = {}
 
 def use_api_keys(run_dir: Path) -> None:
     """Serve authenticated (a tenants file of one tenant, its quotas at their defaults) and send its key."""
-    from loraplex.tenancy import new_key
+    from loraplex.tenancy.tenants import new_key
 
     key, digest = new_key()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -281,7 +281,7 @@ def model_and_adapters(args: argparse.Namespace) -> tuple[list[str], Path, list[
     if args.model_dir:
         names = args.adapters.split(",") if args.adapters else [BASE_MODEL]
         return ["--model-dir", args.model_dir], Path(args.model_dir), names
-    from loraplex.serve import builtin_model
+    from loraplex.launch.serve import builtin_model
 
     checkpoint, adapters_dir, _ = builtin_model(args.model)
     names = args.adapters.split(",") if args.adapters else sorted(p.name for p in adapters_dir.iterdir() if p.is_dir())
@@ -633,7 +633,7 @@ def aligned(rows: list[list[str]]) -> str:
 
 def w1_assets(w1: W1) -> tuple[Path, Path]:
     """(checkpoint folder, folder of its adapters) of W1's random model, built once under .cache/w1/."""
-    from loraplex.tritonserver import cache_dir
+    from loraplex.launch.tritonserver import cache_dir
 
     home = cache_dir() / "w1" / w1.model_key
     if not (home / "complete").exists():
@@ -760,7 +760,7 @@ def measure_w1(w1: W1, name: str, engine_config: dict, peer_names: list[str], ar
     peer in-process on the requests AIPerf sent."""
     from transformers import AutoTokenizer
 
-    from loraplex.serve import seed_adapter_store
+    from loraplex.launch.serve import seed_adapter_store
 
     model_dir, adapters_dir = w1_assets(w1)
     adapters = sorted(p.name for p in adapters_dir.iterdir() if p.is_dir())

@@ -36,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loraplex.clients.load import StreamJob, StreamOutcome, StreamPool, first_difference, stream_problem  # noqa: E402
-from loraplex.clients.metrics import scrape, wait_for_metric  # noqa: E402
-from loraplex.tritonserver import cache_dir  # noqa: E402
+from loraplex.clients.load import StreamJob, StreamOutcome, StreamPool, first_difference, stream_problem
+from loraplex.clients.metrics import scrape, wait_for_metric
+from loraplex.launch.tritonserver import cache_dir
 
 TARGETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
            ("o_proj", "up_proj", "down_proj"))
@@ -82,7 +82,7 @@ def build_adapters(model_dir, count: int, root: Path | None = None) -> list[Path
     if missing:
         from transformers import AutoModelForCausalLM
 
-        from loraplex.demo import build_peft_adapter
+        from loraplex.models.builtin.demo import build_peft_adapter
 
         model = AutoModelForCausalLM.from_pretrained(model_dir).float()
         for i in missing:
@@ -311,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from loraplex.tritonserver import TritonServer, engine_env, project_root
+    from loraplex.launch.tritonserver import TritonServer, engine_env, project_root
 
     model_dir = args.model_dir
     if model_dir is None:
-        from loraplex.demo import build_demo
+        from loraplex.models.builtin.demo import build_demo
 
         model_dir = str(build_demo()["model"])
     adapters = build_adapters(model_dir, args.adapters)

@@ -30,8 +30,8 @@ def measure(model_dir: str, adapters: list[str], seqs: int, steps: int, prompt_t
             profile: bool = False, inline: bool = False, logprobs: bool = False, eager: bool = False) -> dict:
     """Per-step milliseconds: whole step, forward, host (= whole - forward)."""
     from loraplex.config import EngineConfig
-    from loraplex.engine import LLMEngine
-    from loraplex.request import SamplingParams
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.request import SamplingParams
 
     config = EngineConfig(model_dir=model_dir, max_num_seqs=seqs, max_num_batched_tokens=8192,
                           adapter_store=str(Path(adapters[0]).parent) if adapters else "",
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from loraplex.demo import build_demo
+    from loraplex.models.builtin.demo import build_demo
 
     demo = build_demo()
     model_dir = args.model_dir or str(demo["model"])

@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prompts_for(model: str, count: int) -> list[str]:
     """Chat-formatted questions for SmolLM2; plain text for other checkpoints."""
     if model == "smollm2":
-        from loraplex.smollm2 import chat_text
+        from loraplex.models.builtin.smollm2 import chat_text
 
         return [chat_text(QUESTIONS[i % len(QUESTIONS)]) for i in range(count)]
     return [f"{i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(count)]
@@ -117,7 +117,7 @@ def through_triton(url: str, prompts: list[str], adapters: list[str], max_tokens
 
 def in_process(engine, prompts: list[str], adapters: list[str], max_tokens: int, tag: str) -> float:
     """tok/s of the same requests stepped on this thread."""
-    from loraplex.request import SamplingParams
+    from loraplex.engine.request import SamplingParams
 
     requests = [engine.make_request(f"{tag}-{i}", p, SamplingParams.from_dict(parameters(max_tokens, adapters[i % len(adapters)])))
                 for i, p in enumerate(prompts)]
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     import torch
 
     from loraplex.config import EngineConfig
-    from loraplex.engine import LLMEngine
-    from loraplex.serve import builtin_model
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.launch.serve import builtin_model
 
     with tempfile.TemporaryDirectory(prefix="triton_overhead-") as work:
         launcher = start_server(model_flags, engine_config, Path(work), server_env)

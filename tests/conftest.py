@@ -20,7 +20,7 @@ if str(TESTS_DIR) not in sys.path:
 @pytest.fixture(scope="session")
 def demo() -> dict[str, Path]:
     """Paths of the demo model, tokenizer and adapters (``.cache/demo``), built if missing."""
-    from loraplex.demo import build_demo, default_out_dir
+    from loraplex.models.builtin.demo import build_demo, default_out_dir
 
     return build_demo(Path(os.environ.get("LORAPLEX_DEMO_DIR", default_out_dir())))
 

@@ -9,7 +9,7 @@ import math
 
 from hypothesis import strategies as st
 
-from loraplex.request import SAMPLING_KEYS
+from loraplex.engine.request import SAMPLING_KEYS
 
 INT_EXTREMES = [2**63 - 1, -(2**63), 2**63, 2**64, -(2**64) - 1, 10**30, 0, -1, 1, 2, 3]
 FLOAT_EXTREMES = [math.nan, math.inf, -math.inf, 1e-45, 1e308, -1e308, 5e-324, 1e-5, 0.0, -0.0, 0.5]

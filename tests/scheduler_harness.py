@@ -21,10 +21,10 @@ from collections import OrderedDict
 
 from loraplex.config import EngineConfig
 from loraplex.kv_cache import KVCacheManager, namespace_key
-from loraplex.model_runner import RunnerOutput
-from loraplex.request import Request, SamplingParams, Sequence, SeqStatus
-from loraplex.scheduler import Scheduler
-from loraplex.tenancy import Tenant
+from loraplex.worker.model_runner import RunnerOutput
+from loraplex.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from loraplex.sched.scheduler import Scheduler
+from loraplex.tenancy.tenants import Tenant
 
 EOS = 2
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import requests
 
-from loraplex.processes import SHM_PREFIX, STUB_COMM, mapped_shm_regions, processes, shm_region
-from loraplex.tritonserver import TritonServer, TritonServerError, free_ports, project_root
+from loraplex.launch.processes import SHM_PREFIX, STUB_COMM, mapped_shm_regions, processes, shm_region
+from loraplex.launch.tritonserver import TritonServer, TritonServerError, free_ports, project_root
 from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_under_load, make_triton_server_fixture,
                                   wait_ended, wait_gone)
 
@@ -295,7 +295,7 @@ def test_serve_refuses_a_bad_tenants_file_before_starting(tmp_path):
 
 
 def test_usage_text_sends_a_key_when_serving_a_tenants_file():
-    from loraplex.serve import usage_text
+    from loraplex.launch.serve import usage_text
 
     server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
     with_keys, development = usage_text(server, "demo-a", api_keys=True), usage_text(server, "demo-a")
@@ -405,7 +405,7 @@ def test_demo_adapters_load_with_peft(demo):
 
 
 def test_demo_is_idempotent(demo):
-    from loraplex.demo import build_demo
+    from loraplex.models.builtin.demo import build_demo
 
     st = (Path(demo["model"]) / "model.safetensors").stat()
     t0 = time.monotonic()
@@ -420,7 +420,7 @@ def test_builders_make_variants(tmp_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from loraplex.demo import build_peft_adapter, build_tiny_llama
+    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path / "qwen", model_type="qwen2", num_key_value_heads=1,
                                  num_hidden_layers=2)
@@ -505,7 +505,7 @@ def test_serve_runs_the_openai_gateway_restarts_it_and_stops_it(tmp_path, demo):
 
 
 def test_usage_text_shows_the_openai_gateway():
-    from loraplex.serve import usage_text
+    from loraplex.launch.serve import usage_text
 
     server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
     text = usage_text(server, "demo-a", api_keys=True, openai=("http://127.0.0.1:9000", "demo-a"))
@@ -515,7 +515,7 @@ def test_usage_text_shows_the_openai_gateway():
 
 
 def test_builtin_models_have_their_own_adapter_store_and_example(demo):
-    from loraplex.serve import builtin_model, default_adapter_store, usage_text
+    from loraplex.launch.serve import builtin_model, default_adapter_store, usage_text
 
     assert default_adapter_store("smollm2").name == "adapters-smollm2"
     assert default_adapter_store(None).name == "adapters"
@@ -525,3 +525,9 @@ def test_builtin_models_have_their_own_adapter_store_and_example(demo):
     server = TritonServer("unused", http_port=1, grpc_port=2, metrics_port=3)
     text = usage_text(server, "pirate", question="What is the capital of France?", prompt="<|im_start|>user\nWhat?")
     assert '"text_input": "<|im_start|>user\\nWhat?"' in text and '"lora_name": "pirate"' in text
+
+
+def test_project_root_is_the_checkout_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORAPLEX_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert project_root() == Path(__file__).resolve().parents[1]

@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pytest
 import requests
 
-from loraplex.processes import ProcInfo, processes
-from loraplex.tritonserver import TritonServer, TritonServerError, engine_env, free_ports, project_root
+from loraplex.launch.processes import ProcInfo, processes
+from loraplex.launch.tritonserver import TritonServer, TritonServerError, engine_env, free_ports, project_root
 
 DEFAULT_MODEL_REPOSITORY = project_root() / "model_repository"
 
@@ -69,7 +69,7 @@ def copy_model_repository(dst: Path, models: Sequence[str] | None = None,
 
 def seed_demo_adapters(store: Path, demo: Mapping[str, Path]) -> Path:
     """Fill ``store`` with copies of the demo adapters, one folder per adapter name."""
-    from loraplex.serve import seed_adapter_store
+    from loraplex.launch.serve import seed_adapter_store
 
     seed_adapter_store(store, Path(demo["adapters"]))
     return store

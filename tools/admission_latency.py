@@ -12,7 +12,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from loraplex.prompt_bound import longest_token_bytes
+from loraplex.engine.prompt_bound import longest_token_bytes
 from loraplex.triton.admission import AdmissionPool, Job
 
 

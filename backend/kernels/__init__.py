@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_native, dispatch, reference
-from .dispatch import check_model, run, uses_kernels
-from .prefill_sdpa import remember_host_lengths
+from loraplex.kernels import cpu_native, dispatch, reference
+from loraplex.kernels.dispatch import check_model, run, uses_kernels
+from loraplex.kernels.prefill_sdpa import remember_host_lengths
 
 
 def lora_shrink_bgmv(x, a_stack, token_slots, ranks):

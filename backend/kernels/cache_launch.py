@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import COPY_UNITS, cache_name
-from .launch_args import aligned
-from .runners import runner_for
+from loraplex.kernels.instances import COPY_UNITS, cache_name
+from loraplex.kernels.launch_args import aligned
+from loraplex.kernels.runners import runner_for
 
 UNITS = tuple(sorted(COPY_UNITS, reverse=True))  # bytes moved per element of the copy loops, widest first
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_runner import build_once
+from loraplex.kernels.cpu_runner import build_once
 
 log = logging.getLogger("loraplex.kernels")
 SOURCE = Path(__file__).with_name("cpu_native.c")

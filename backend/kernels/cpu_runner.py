@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .instances import FAMILIES
-from .sources import KERNEL_DIR, SHIM_HEADER
+from loraplex.kernels.instances import FAMILIES
+from loraplex.kernels.sources import CHECKOUT, KERNEL_DIR, SHIM_HEADER
 
 CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 _ERR_BYTES = 512
@@ -26,9 +26,8 @@ def cache_dir() -> Path:
     env = os.environ.get("LORAPLEX_KERNEL_CACHE")
     if env:
         return Path(env)
-    checkout = KERNEL_DIR.parents[1]  # backend/kernels -> the checkout
-    if (checkout / "pyproject.toml").exists():
-        return checkout / ".cache" / "kernels_cpu"
+    if (CHECKOUT / "pyproject.toml").exists():
+        return CHECKOUT / ".cache" / "kernels_cpu"
     return Path.home() / ".cache" / "loraplex" / "kernels_cpu"
 
 

@@ -7,8 +7,8 @@ import functools
 import numpy as np
 import torch
 
-from .instances import FAMILIES
-from .sources import expanded_source
+from loraplex.kernels.instances import FAMILIES
+from loraplex.kernels.sources import expanded_source
 
 NVRTC_OPTIONS = ("-std=c++17",)
 

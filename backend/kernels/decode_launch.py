@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import decode_name, decode_reduce_name
-from .launch_args import aligned, ceil_div, check_paged, int32_on, same_dtype
-from .runners import runner_for
+from loraplex.kernels.instances import decode_name, decode_reduce_name
+from loraplex.kernels.launch_args import aligned, ceil_div, check_paged, int32_on, same_dtype
+from loraplex.kernels.runners import runner_for
 
 THREADS = 128  # decode::kThreads in the .cu
 MIN_SPLIT_TOKENS = 256  # a split shorter than this is not worth its merge

@@ -19,10 +19,10 @@ import os
 
 import torch
 
-from . import cpu_native, preconditions, reference
-from .preconditions import DECODE, OPS, PREFILL, KernelShapes
-from .prefill_sdpa import paged_attention_prefill_sdpa
-from .runners import runner_for
+from loraplex.kernels import cpu_native, preconditions, reference
+from loraplex.kernels.preconditions import DECODE, OPS, PREFILL, KernelShapes
+from loraplex.kernels.prefill_sdpa import paged_attention_prefill_sdpa
+from loraplex.kernels.runners import runner_for
 
 log = logging.getLogger("loraplex.kernels")
 ENV = "LORAPLEX_KERNELS"
@@ -114,7 +114,7 @@ def kernel_ops(device: torch.device) -> tuple[str, ...]:
     """The ops that launch a kernel on device (prefill on CUDA only when LORAPLEX_PREFILL_ATTENTION=kernel)."""
     if not uses_kernels(device):
         return ()
-    from .prefill_launch import DEFAULT_IMPL
+    from loraplex.kernels.prefill_launch import DEFAULT_IMPL
 
     return tuple(op for op in OPS if not (op == PREFILL and device.type == "cuda" and DEFAULT_IMPL != "kernel"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .instances import HEAD_DIMS, VEC_WIDTH, c_type
+from loraplex.kernels.instances import HEAD_DIMS, VEC_WIDTH, c_type
 
 
 def ceil_div(a: int, b: int) -> int:

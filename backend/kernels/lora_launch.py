@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .instances import BGMV_TILES, lora_name
-from .launch_args import ceil_div, float32_on, int32_on, same_dtype, vector_width
-from .runners import runner_for
+from loraplex.kernels.instances import BGMV_TILES, lora_name
+from loraplex.kernels.launch_args import ceil_div, float32_on, int32_on, same_dtype, vector_width
+from loraplex.kernels.runners import runner_for
 
 # Must match the constants in lora.cu (checked by tests).
 SHRINK_WARPS = 4

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cuda_runner import NVRTC_OPTIONS
-from .instances import FAMILIES
-from .sources import expanded_source
+from loraplex.kernels.cuda_runner import NVRTC_OPTIONS
+from loraplex.kernels.instances import FAMILIES
+from loraplex.kernels.sources import expanded_source
 
 ARCHS = ("sm_80", "sm_90")
 _LIB = re.compile(r"^libnvrtc\.so\.(\d+)$")

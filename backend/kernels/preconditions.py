@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .instances import C_TYPES, HEAD_DIMS
+from loraplex.kernels.instances import C_TYPES, HEAD_DIMS
 
 PREFILL = "paged_attention_prefill"
 DECODE = "paged_attention_decode"

@@ -7,10 +7,10 @@ import os
 import numpy as np
 import torch
 
-from .instances import prefill_name
-from .launch_args import ceil_div, check_paged, int32_on, same_dtype
-from .prefill_sdpa import paged_attention_prefill_sdpa, paged_attention_prefill_varlen
-from .runners import runner_for
+from loraplex.kernels.instances import prefill_name
+from loraplex.kernels.launch_args import ceil_div, check_paged, int32_on, same_dtype
+from loraplex.kernels.prefill_sdpa import paged_attention_prefill_sdpa, paged_attention_prefill_varlen
+from loraplex.kernels.runners import runner_for
 
 THREADS = 128  # 32 * PrefillTile::WARPS in the .cu
 IMPLS = ("sdpa", "kernel", "varlen")

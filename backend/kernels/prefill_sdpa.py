@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .reference import PerStepMemo
+from loraplex.kernels.reference import PerStepMemo
 
 _PLANS = PerStepMemo()  # keyed by the step's cu_query_lens tensor: every layer asks the same
 
@@ -67,7 +67,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
     """New tokens [T, Hq, D] attend causally to themselves and their cached prefix (gather + SDPA)."""
-    from . import paged_attention_decode  # the package routes it to the decode kernel where one serves
+    from loraplex.kernels import paged_attention_decode  # the package routes it to the decode kernel where one serves
 
     out = torch.empty_like(q)
     plan = _plan(cu_query_lens, context_lens)

@@ -9,14 +9,14 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def _cuda():
-    from .cuda_runner import CudaRunner
+    from loraplex.kernels.cuda_runner import CudaRunner
 
     return CudaRunner()
 
 
 @functools.lru_cache(maxsize=None)
 def _cpu():
-    from .cpu_runner import CpuRunner
+    from loraplex.kernels.cpu_runner import CpuRunner
 
     return CpuRunner()
 

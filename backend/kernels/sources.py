@@ -6,8 +6,18 @@ import functools
 import re
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).resolve().parent
-SHIM_HEADER = KERNEL_DIR / "cpu_shim" / "cuda_cpu_shim.h"
+PACKAGE_DIR = Path(__file__).resolve().parent
+CHECKOUT = PACKAGE_DIR.parents[1]  # backend/kernels -> the source checkout, when this is one
+
+
+def _kernel_dir() -> Path:
+    """The CUDA sources (.cu, .h): <checkout>/kernels in a source checkout, the wheel's loraplex/kernels/cuda."""
+    checkout = CHECKOUT / "kernels"
+    return checkout if (CHECKOUT / "pyproject.toml").is_file() and checkout.is_dir() else PACKAGE_DIR / "cuda"
+
+
+KERNEL_DIR = _kernel_dir()
+SHIM_HEADER = PACKAGE_DIR / "cpu_shim" / "cuda_cpu_shim.h"
 
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
 

@@ -1,8 +1,8 @@
 """Paged KV cache: block pool, prefix-cache hashing, copy-on-write, KVCacheManager."""
 
-from .block_pool import Block, BlockPool, FreeBlockQueue
-from .hashing import hash_block, namespace_key
-from .manager import KVCacheManager
-from .swap_space import SwapSpace
+from loraplex.kv_cache.block_pool import Block, BlockPool, FreeBlockQueue
+from loraplex.kv_cache.hashing import hash_block, namespace_key
+from loraplex.kv_cache.manager import KVCacheManager
+from loraplex.kv_cache.swap_space import SwapSpace
 
 __all__ = ["Block", "BlockPool", "FreeBlockQueue", "KVCacheManager", "SwapSpace", "hash_block", "namespace_key"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from .block_pool import BlockPool
-from .hashing import hash_block
+from loraplex.kv_cache.block_pool import BlockPool
+from loraplex.kv_cache.hashing import hash_block
 
 SeqId = Hashable
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from .shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
+from loraplex.lora.shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from ..request import Request, show
-from .manager import AdapterManager, AdapterNotFound
+from loraplex.engine.request import Request, show
+from loraplex.lora.manager import AdapterManager, AdapterNotFound
 
 log = logging.getLogger("loraplex.lora")
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
-from .slots import LoraSlots
+from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
+from loraplex.lora.slots import LoraSlots
 
 
 class AdapterNotFound(KeyError):

@@ -47,10 +47,10 @@ class AdapterPreloader:
             request, name, folder = item
             try:
                 preloaded = self._read(name, folder)
-            except Exception:  # noqa: BLE001 - the loop thread reads it again and fails that request alone
+            except Exception:  # the loop thread reads it again and fails that request alone
                 log.debug("preloading adapter %r failed; the engine loop will report it", name, exc_info=True)
                 preloaded = None
             try:
                 self._deliver(request, preloaded)
-            except Exception:  # noqa: BLE001 - the worker must never die
+            except Exception:  # the worker must never die
                 log.exception("handing request %s on after its adapter load failed", request.request_id)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import LoraAdapter
-from .shapes import MODULES
+from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.shapes import MODULES
 
 
 class LoraSlots:

@@ -41,13 +41,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .adapter import (CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, AdapterError, adapter_digest,
+from loraplex.lora.adapter import (CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, AdapterError, adapter_digest,
                       check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter)
-from .manager import AdapterNotFound
-from .shapes import module_shapes
+from loraplex.lora.manager import AdapterNotFound
+from loraplex.lora.shapes import module_shapes
 
 if TYPE_CHECKING:
-    from ..tenancy import Tenant
+    from loraplex.tenancy.tenants import Tenant
 
 log = logging.getLogger("loraplex.store")
 
@@ -524,7 +524,7 @@ class Collector:
         while not self._stop.wait(self.interval):
             try:
                 removed = self.store.collect()
-            except Exception:  # noqa: BLE001 - the timer outlives one failed sweep
+            except Exception:  # the timer outlives one failed sweep
                 log.exception("collecting retired adapter versions failed")
                 continue
             if removed:

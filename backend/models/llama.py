@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
-from ..kernels import cpu_native
-from ..lora.shapes import MODULES
-from .loader import load_hf_config, load_safetensors
-from .lora_tiles import SlotTiles
-from .rope import RotaryEmbedding
+from loraplex import kernels
+from loraplex.kernels import cpu_native
+from loraplex.lora.shapes import MODULES
+from loraplex.models.loader import load_hf_config, load_safetensors
+from loraplex.models.lora_tiles import SlotTiles
+from loraplex.models.rope import RotaryEmbedding
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
 # FBGEMM, one row of SmolLM2's 30 layers 20.0 -> 18.8 ms, the same values (each output column is its own sum).

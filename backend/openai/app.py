@@ -19,16 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat import ChatRenderer
-from .errors import OpenAIError, bad_request, internal_error, unavailable
-from .generation import Generation
-from .intake import Intake, on_close, request_id
-from .limits import Limits
-from .offload import RenderPool
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
+from loraplex.openai.chat import ChatRenderer
+from loraplex.openai.errors import OpenAIError, bad_request, internal_error, unavailable
+from loraplex.openai.generation import Generation
+from loraplex.openai.intake import Intake, on_close, request_id
+from loraplex.openai.limits import Limits
+from loraplex.openai.offload import RenderPool
+from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from loraplex.openai.responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
                         completion_choice, new_id, role_chunk_choice, sse)
-from .triton_stream import TritonClient
+from loraplex.openai.triton_stream import TritonClient
 
 log = logging.getLogger("loraplex.openai")
 Body = TypeVar("Body", bound=BaseModel)
@@ -150,7 +150,7 @@ def _event_stream(events: AsyncIterator[str], generation: Generation) -> Streami
                 yield event
         except OpenAIError as exc:  # after the 200: OpenAI's clients read an error event
             yield sse(exc.body())
-        except Exception:  # noqa: BLE001 - logged; the client gets the request id only
+        except Exception:  # logged; the client gets the request id only
             log.exception("request %s failed while streaming", generation.request_id)
             yield sse(internal_error(generation.request_id).body())
         finally:

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import bad_request, client_text
+from loraplex.openai.errors import bad_request, client_text
 
 log = logging.getLogger("loraplex.openai")
 COUNT_CHARS_PER_TOKEN = 32  # a prompt's first context x 32 characters are counted; more only if they hold fewer tokens

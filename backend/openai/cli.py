@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, RENDER_QUEUE_PER_THREAD, RENDER_THREADS,
+from loraplex.openai.limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, RENDER_QUEUE_PER_THREAD, RENDER_THREADS,
                      RENDER_TIMEOUT_S, Limits)
 
 MODEL_DIR_ENV = "LORAPLEX_MODEL_DIR"
@@ -23,7 +23,7 @@ def default_model_dir() -> str | None:
     """``$LORAPLEX_MODEL_DIR``, else the offline demo model if it is built."""
     if os.environ.get(MODEL_DIR_ENV):
         return os.environ[MODEL_DIR_ENV]
-    from loraplex.tritonserver import cache_dir
+    from loraplex.launch.tritonserver import cache_dir
 
     demo = cache_dir() / "demo" / "model"
     return str(demo) if (demo / "config.json").is_file() else None
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from .app import Settings, create_app
+    from loraplex.openai.app import Settings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="loraplex-openai: %(message)s")
     settings = Settings(

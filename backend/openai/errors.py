@@ -16,7 +16,7 @@ import grpc
 
 log = logging.getLogger("loraplex.openai")
 
-AUTH_TEXT = "missing or invalid API key"  # loraplex.tenancy.AUTH_ERROR starts so
+AUTH_TEXT = "missing or invalid API key"  # loraplex.tenancy.tenants.AUTH_ERROR starts so
 NOT_FOUND_TEXT = "we currently support"  # vllm_backend's unknown-LoRA text: "LoRA x is not supported, we currently support [...]"
 QUOTA_TEXT = "tenant quota exceeded"
 UNAVAILABLE_TEXTS = (

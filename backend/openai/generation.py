@@ -11,8 +11,8 @@ import asyncio
 import logging
 from typing import AsyncIterator
 
-from .errors import OpenAIError, internal_error
-from .triton_stream import Delta
+from loraplex.openai.errors import OpenAIError, internal_error
+from loraplex.openai.triton_stream import Delta
 
 log = logging.getLogger("loraplex.openai")
 
@@ -35,7 +35,7 @@ class Generation:
             self.queue.put_nowait((index, END))
         except OpenAIError as exc:
             self.queue.put_nowait((index, exc))
-        except Exception:  # noqa: BLE001 - a 500 with the request id for the client, the details in the log
+        except Exception:  # a 500 with the request id for the client, the details in the log
             log.exception("request %s: stream %d failed", self.request_id, index)
             self.queue.put_nowait((index, internal_error(self.request_id)))
 

@@ -14,7 +14,7 @@ import json
 import secrets
 from typing import Any, Callable
 
-from .errors import OpenAIError
+from loraplex.openai.errors import OpenAIError
 
 REQUEST_ID = "loraplex.request_id"  # scope keys
 ON_CLOSE = "loraplex.on_close"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import bad_request
+from loraplex.openai.errors import bad_request
 
 MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB; a 128k-token prompt is ~0.5 MiB of text
 MAX_MESSAGES = 1024  # chat messages per request

@@ -14,8 +14,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from .errors import OpenAIError
-from .limits import RENDER_QUEUE_PER_THREAD
+from loraplex.openai.errors import OpenAIError
+from loraplex.openai.limits import RENDER_QUEUE_PER_THREAD
 
 
 def _busy(message: str, code: str) -> OpenAIError:

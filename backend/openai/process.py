@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from loraplex.processes import answers_ok, release_guard, start_guard, start_in_session
+from loraplex.launch.processes import answers_ok, release_guard, start_guard, start_in_session
 
 RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most this often
 GUARD_GRACE = 10.0  # after the launcher died: SIGTERM, then SIGKILL this much later (past cli.GRACEFUL_SHUTDOWN_SECONDS)

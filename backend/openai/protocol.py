@@ -11,9 +11,9 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import bad_request
-from .limits import Limits
-from .template_inputs import template_variables
+from loraplex.openai.errors import bad_request
+from loraplex.openai.limits import Limits
+from loraplex.openai.template_inputs import template_variables
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (and vLLM's)
 DEFAULT_LIMITS = Limits()

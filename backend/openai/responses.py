@@ -10,8 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .protocol import chat_logprobs, completion_logprobs, usage
-from .triton_stream import Delta
+from loraplex.openai.protocol import chat_logprobs, completion_logprobs, usage
+from loraplex.openai.triton_stream import Delta
 
 
 @dataclass(slots=True)

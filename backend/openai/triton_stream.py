@@ -22,7 +22,7 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from loraplex.clients.generate import decode_response
 
-from .errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton, internal_error
+from loraplex.openai.errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton, internal_error
 
 log = logging.getLogger("loraplex.openai")
 

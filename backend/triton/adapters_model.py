@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..metrics import UPLOADS, TenantLabels
-from ..request import InvalidRequest
-from ..tenancy import TenantResolver
-from .metrics_publisher import make_metrics
-from .model_config import engine_config_from_model_config
+from loraplex.engine.metrics import UPLOADS, TenantLabels
+from loraplex.engine.request import InvalidRequest
+from loraplex.tenancy.tenants import TenantResolver
+from loraplex.triton.metrics_publisher import make_metrics
+from loraplex.triton.model_config import engine_config_from_model_config
 
 log = logging.getLogger("loraplex.triton.adapters")
 
@@ -48,7 +48,7 @@ def _start_collector(model: "TritonPythonModel", delay: float, stopped: threadin
         return
     try:
         model._store_now()
-    except Exception:  # noqa: BLE001 - no timer rather than a failed server
+    except Exception:  # no timer rather than a failed server
         log.exception("the adapter store's collection timer did not start")
 
 
@@ -121,7 +121,7 @@ class TritonPythonModel:
             raise NoAdapterStore(NO_STORE)
         with self._store_lock:
             if self._store is None:
-                from ..lora.store import AdapterStore, Collector  # imports torch: not at load time
+                from loraplex.lora.store import AdapterStore, Collector  # imports torch: not at load time
 
                 self._store = AdapterStore(self.config.adapter_store, max_bytes=self.config.adapter_store_max_bytes)
                 if not self._stopped.is_set():
@@ -130,7 +130,7 @@ class TritonPythonModel:
 
     def _base_config(self):
         if self._hf_config is None:
-            from ..models.loader import load_hf_config
+            from loraplex.models.loader import load_hf_config
 
             self._hf_config = load_hf_config(self.config.model_dir)
         return self._hf_config
@@ -142,7 +142,7 @@ class TritonPythonModel:
                 result = self._handle(request)
                 out = pb_utils.Tensor("result", np.array([json.dumps(result).encode("utf-8")], dtype=np.object_))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
-            except Exception as exc:  # every request gets exactly one response
+            except Exception as exc:  # noqa: BLE001 - every request gets exactly one response
                 code = self._error_code(exc)
                 message = self._internal(exc) if code == pb_utils.TritonError.INTERNAL else self._message(exc)
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
@@ -163,7 +163,7 @@ class TritonPythonModel:
             return store.info(tenant.name, args["name"]).to_json()
         if action == "delete":
             return store.delete(tenant.name, args["name"]).to_json()
-        from ..lora.store import check_name
+        from loraplex.lora.store import check_name
 
         check_name(args["name"])  # before loading the base model's config
         result = store.upload(tenant, args["name"], args["config_text"], args["weights"], self._base_config(),
@@ -176,7 +176,7 @@ class TritonPythonModel:
             return
         try:
             self.metrics.increment(UPLOADS.name, (self.tenant_labels.label(tenant.name, tenant.authenticated),))
-        except Exception:  # noqa: BLE001 - the upload succeeded; a metric must not fail it
+        except Exception:  # the upload succeeded; a metric must not fail it
             log.exception("counting an upload failed")
 
     def finalize(self):
@@ -191,13 +191,13 @@ class TritonPythonModel:
     def _message(exc: Exception) -> str:
         if isinstance(exc, (InvalidRequest, NoAdapterStore)):  # no torch import for a refused key
             return str(exc)[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
-        from .errors import error_message  # imports torch (through loraplex.lora)
+        from loraplex.triton.errors import error_message  # imports torch (through loraplex.lora)
 
         return error_message(exc)
 
     @staticmethod
     def _internal(exc: Exception) -> str:
-        from .errors import client_error  # logs the details under the reference the message names
+        from loraplex.triton.errors import client_error  # logs the details under the reference the message names
 
         return client_error(pb_utils, exc)[0]
 
@@ -208,6 +208,6 @@ class TritonPythonModel:
             return codes.UNSUPPORTED
         if isinstance(exc, InvalidRequest):  # a bad or missing API key included
             return codes.INVALID_ARG
-        from .errors import error_code
+        from loraplex.triton.errors import error_code
 
         return error_code(pb_utils, exc)

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..quotas import QuotaExceeded
-from ..request import EngineOverloaded, EngineShuttingDown
+from loraplex.tenancy.quotas import QuotaExceeded
+from loraplex.engine.request import EngineOverloaded, EngineShuttingDown
 
 log = logging.getLogger("loraplex.admission")
 
@@ -147,5 +147,5 @@ class AdmissionPool:
     def _end(job: Job, action, *args) -> None:
         try:
             action(*args)
-        except Exception:  # noqa: BLE001 - a worker must never die; the job answers its own errors
+        except Exception:  # a worker must never die; the job answers its own errors
             log.exception("admission of a request of tenant %s failed", job.tenant)

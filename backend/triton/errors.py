@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import secrets
 
-from ..lora.adapter import AdapterError
-from ..lora.manager import AdapterNotFound
-from ..lora.store import AdapterStoreError, StoreFull
-from ..request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
+from loraplex.lora.adapter import AdapterError
+from loraplex.lora.manager import AdapterNotFound
+from loraplex.lora.store import AdapterStoreError, StoreFull
+from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
 
 MAX_MESSAGE_CHARS = 2000
 INTERNAL_TEXT = "internal error (request {ref}); the server log has the details"

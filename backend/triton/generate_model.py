@@ -12,16 +12,16 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from ..config import STOP_FILE_ENV, serving_cpu_threads
-from ..engine import LLMEngine
-from ..metrics import OTHER_TENANTS
-from ..prompt_bound import check_prompt_bytes
-from ..tenancy import TenantResolver
-from .admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
-from .metrics_publisher import start_publisher
-from .model_config import engine_config_from_model_config, multi_lora_for
-from .parsing import parse_generate_input
-from .responder import Responder
+from loraplex.config import STOP_FILE_ENV, serving_cpu_threads
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.metrics import OTHER_TENANTS
+from loraplex.engine.prompt_bound import check_prompt_bytes
+from loraplex.tenancy.tenants import TenantResolver
+from loraplex.triton.admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
+from loraplex.triton.metrics_publisher import start_publisher
+from loraplex.triton.model_config import engine_config_from_model_config, multi_lora_for
+from loraplex.triton.parsing import parse_generate_input
+from loraplex.triton.responder import Responder
 
 log = logging.getLogger("loraplex.triton")
 
@@ -116,7 +116,7 @@ class TritonPythonModel:
                 tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key: refused before any work
                 label = self.engine.tenant_labels.label(tenant.name, tenant.authenticated)
                 self.admission.submit(self._job(request, sender, parameters, tenant, label))
-            except Exception as exc:  # every request ends with exactly one final response
+            except Exception as exc:  # noqa: BLE001 - every request ends with exactly one final response
                 self._refuse(sender, label, exc)
         return None
 

@@ -14,9 +14,9 @@ import logging
 import threading
 import time
 
-from ..metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, capture, live_values
+from loraplex.engine.metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, capture, live_values
 
-log = logging.getLogger("loraplex.metrics")
+log = logging.getLogger("loraplex.engine.metrics")
 
 CAPTURE_SECONDS = 0.05  # the loop hands over a snapshot at most this often while it has work
 REFRESH_SECONDS = 1.0  # the publisher re-reads the values other threads change at least this often
@@ -36,7 +36,7 @@ def make_metrics(pb_utils, model_config: dict, model: str, version: str,
         return None
     try:
         return TritonMetrics(pb_utils, model, version, families)
-    except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+    except Exception:  # serving without metrics beats not serving
         log.exception("custom metrics are unavailable; serving without them")
         return None
 
@@ -50,7 +50,7 @@ def start_publisher(pb_utils, model_config: dict, model: str, version: str, engi
         try:
             publisher = MetricsPublisher(metrics, engine.stats)
             publisher.start(engine)
-        except Exception:  # noqa: BLE001 - serving without metrics beats not serving
+        except Exception:  # serving without metrics beats not serving
             log.exception("custom metrics are unavailable; serving without them")
             publisher = None
     if publisher is None:
@@ -166,5 +166,5 @@ class MetricsPublisher:
         try:
             values = {**self._latest, **live_values(self.stats)}
             self.metrics.publish(values, self.stats.drain())
-        except Exception:  # noqa: BLE001 - metrics must never take the model down
+        except Exception:  # metrics must never take the model down
             log.exception("publishing metrics failed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import EngineConfig
+from loraplex.config import EngineConfig
 
 
 def load_multi_lora(path: Path) -> dict[str, str]:

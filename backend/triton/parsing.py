@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
+from loraplex.engine.request import SAMPLING_KEYS, InvalidRequest, SamplingParams
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -70,7 +70,7 @@ def _sampling_json(raw) -> dict:
 
 
 def parse_generate_input(inputs: dict[str, np.ndarray], parameters: dict, tenant: str = "default") -> GenerateInput:
-    """Validate one request of ``tenant`` (resolved by loraplex.tenancy); raises InvalidRequest for the client."""
+    """Validate one request of ``tenant`` (resolved by loraplex.tenancy.tenants); raises InvalidRequest for the client."""
     if "text_input" not in inputs:
         raise InvalidRequest("missing required input 'text_input'")
     prompt = _scalar(inputs["text_input"], "text_input")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import client_error
+from loraplex.triton.errors import client_error
 
 log = logging.getLogger("loraplex.responder")
 
@@ -106,7 +106,7 @@ class Responder:
         while not self.stopping:
             try:
                 self._serve_once()
-            except Exception:  # noqa: BLE001 - the response thread must never die
+            except Exception:  # the response thread must never die
                 log.exception("response thread iteration failed")
 
     def _serve_once(self) -> None:
@@ -137,7 +137,7 @@ class Responder:
         """Run one request's action; if it raises, that request alone ends with an error (and is aborted)."""
         try:
             action(*args)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("response handling failed for request %s", request_id)
             self._end_with_error(request_id, exc)
 
@@ -183,7 +183,7 @@ class Responder:
         response = self._response(p, done)  # raising here ends the request with an error (see _contained)
         try:
             p.sender.send(response, flags=flags)
-        except Exception:  # noqa: BLE001 - the client went away: stop generating for it
+        except Exception:  # the client went away: stop generating for it
             log.warning("send failed for request %s; aborting it", request_id, exc_info=True)
             if not done:
                 self.abort(request_id)
@@ -249,7 +249,7 @@ class Responder:
                 continue
             try:
                 cancelled = p.sender.is_cancelled()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a sender that cannot answer is a client gone
                 cancelled = True
             if cancelled:
                 p.abort_requested = True

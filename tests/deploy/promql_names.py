@@ -1,7 +1,7 @@
 """Which metric names a PromQL expression (or a Grafana query) reads, without a PromQL parser.
 
 The dashboard and the alert rules in deploy/ may query only what the model exports
-(``loraplex.metrics.EXPORTED_METRICS``) plus an explicit allow-list of Triton's, DCGM's and
+(``loraplex.engine.metrics.EXPORTED_METRICS``) plus an explicit allow-list of Triton's, DCGM's and
 Prometheus's own names. ``metric_names`` returns every metric name an expression references;
 ``label_matchers`` the ``label op value`` matchers attached to each; ``check_expression`` puts both
 against the contract. What it understands:

@@ -1,6 +1,6 @@
 """The Grafana dashboard and the Prometheus rules query only what the model exports.
 
-The contract is ``loraplex.metrics.EXPORTED_METRICS`` (histograms by base name); anything else a
+The contract is ``loraplex.engine.metrics.EXPORTED_METRICS`` (histograms by base name); anything else a
 query reads must be in ALLOWED_FOREIGN below, by name. Label values that the model enumerates
 (failure reasons, KV block states, adapter tiers, ...) are checked too, so a typo such as
 ``state="use"`` fails here instead of drawing an empty panel.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraplex import metrics
+from loraplex.engine import metrics
 from promql_names import PromQLError, base_name, check_expression, label_matchers, metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ TARGET_LABELS = frozenset({"model", "version", "instance", "job", "namespace", "
 
 
 def family_labels() -> dict[str, frozenset[str]]:
-    """Each exported family's labels, from backend/metrics.py's table of families."""
+    """Each exported family's labels, from backend/engine/metrics.py's table of families."""
     out = {}
     for family in (*metrics.FAMILIES, metrics.UPLOADS):
         extra = {"le"} if family.kind == metrics.HISTOGRAM else set()

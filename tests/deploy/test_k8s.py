@@ -21,13 +21,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from loraplex import metrics
+from loraplex.engine import metrics
 from loraplex.config import EngineConfig
 from loraplex.openai import cli as openai_cli
 from loraplex.openai.cli import GRACEFUL_SHUTDOWN_SECONDS
-from loraplex.serve import build_parser as serve_parser
-from loraplex.tenancy import parse_tenants
-from loraplex.tritonserver import TritonServer
+from loraplex.launch.serve import build_parser as serve_parser
+from loraplex.tenancy.tenants import parse_tenants
+from loraplex.launch.tritonserver import TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -244,7 +244,7 @@ def test_triton_args_parse_with_loraplex_serve():
 
 
 def test_termination_grace_matches_the_launchers_stop():
-    # backend/serve.py stops tritonserver with SIGINT and waits exit-timeout + 5 s (its guard's bound),
+    # backend/launch/serve.py stops tritonserver with SIGINT and waits exit-timeout + 5 s (its guard's bound),
     # then kills the group and reaps it for up to 10 s. The pod must outlive that after its preStop.
     spec = find("Deployment", "loraplex-triton")["spec"]["template"]["spec"]
     c = container("loraplex-triton", "triton")
@@ -350,8 +350,8 @@ def routed_to(config: dict, port: int, path: str) -> str | None:
     matching routes in order as Envoy does (a safe_regex matches the whole path)."""
     import re
 
-    listener = next(l for l in config["static_resources"]["listeners"]
-                    if l["address"]["socket_address"]["port_value"] == port)
+    listener = next(x for x in config["static_resources"]["listeners"]
+                    if x["address"]["socket_address"]["port_value"] == port)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     for vh in hcm["route_config"]["virtual_hosts"]:
         for route in vh["routes"]:
@@ -444,7 +444,7 @@ def test_envoy_pods_serve_its_listeners():
                   if v["name"] == mount["name"])
     generated = find("ConfigMap", volume["configMap"]["name"])
     assert yaml.safe_load(generated["data"][config_path.name]) == envoy_config()
-    listen = {l["address"]["socket_address"]["port_value"] for l in envoy_config()["static_resources"]["listeners"]}
+    listen = {x["address"]["socket_address"]["port_value"] for x in envoy_config()["static_resources"]["listeners"]}
     assert {p["containerPort"] for p in c["ports"]} == listen
     health = next(p for p in c["ports"] if p["name"] == "health")["containerPort"]
     assert c["readinessProbe"]["httpGet"]["port"] == "health" and health in listen

@@ -15,7 +15,7 @@ import requests
 
 from loraplex.clients import metrics
 from loraplex.clients.load import chosen_token_ids
-from loraplex.tritonserver import free_ports
+from loraplex.launch.tritonserver import free_ports
 
 
 def token_ids_of(result) -> list[int]:

@@ -29,8 +29,8 @@ from tritonserver_fixture import demo_server, make_triton_server_fixture, seed_d
 from loraplex.clients.adapters import adapter_request, read_adapter_folder, upload_adapter
 from loraplex.clients.adapters import main as adapters_main
 from loraplex.clients.generate import stream_generate
-from loraplex.tenancy import AUTH_ERROR, key_digest
-from loraplex.tritonserver import TritonServerError
+from loraplex.tenancy.tenants import AUTH_ERROR, key_digest
+from loraplex.launch.tritonserver import TritonServerError
 
 KEYS = {"acme": "acme-upload-key", "globex": "globex-upload-key", "metered": "metered-key", "queued": "queued-key",
         "versioned": "versioned-key"}
@@ -77,7 +77,7 @@ def folders(demo, tmp_path_factory):
     """PEFT adapter folders for the demo model, built with peft: name -> folder."""
     from transformers import AutoModelForCausalLM
 
-    from loraplex.demo import build_peft_adapter
+    from loraplex.models.builtin.demo import build_peft_adapter
 
     base = AutoModelForCausalLM.from_pretrained(demo["model"]).float()
     root = tmp_path_factory.mktemp("peft")

@@ -16,7 +16,7 @@ from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
 from loraplex.clients.generate import build_inputs, stream_generate
-from loraplex.demo import build_peft_adapter
+from loraplex.models.builtin.demo import build_peft_adapter
 
 GREEDY = {"temperature": 0, "logprobs": 0}
 

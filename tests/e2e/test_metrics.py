@@ -22,8 +22,8 @@ from tritonserver_fixture import make_triton_server_fixture
 
 from loraplex.clients.adapters import upload_adapter
 from loraplex.clients.generate import build_inputs, stream_generate
-from loraplex.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM
-from loraplex.tenancy import key_digest
+from loraplex.engine.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM
+from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"alpha": "alpha-metrics-key", "beta": "beta-metrics-key", "gamma": "gamma-metrics-key"}
 TENANTS_FILE = Path(tempfile.mkdtemp(prefix="loraplex-metrics-")) / "tenants.json"

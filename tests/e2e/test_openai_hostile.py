@@ -25,7 +25,7 @@ import requests
 from helpers import run_gateway, scrape
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
-from loraplex.tenancy import key_digest
+from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"acme": "acme-hostile-key", "mallory": "mallory-hostile-key", "queued": "queued-hostile-key"}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-openai-hostile-"))

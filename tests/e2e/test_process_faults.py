@@ -20,7 +20,7 @@ from tritonserver_fixture import (SERVE_EXIT_TIMEOUT, descendants, launcher_unde
                                   wait_gone)
 
 from loraplex.clients.generate import stream_generate
-from loraplex.processes import STUB_COMM, shm_region
+from loraplex.launch.processes import STUB_COMM, shm_region
 
 BOUND = SERVE_EXIT_TIMEOUT + 20  # generous: "ends within" bounds, not timings
 

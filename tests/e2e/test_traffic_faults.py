@@ -19,7 +19,7 @@ from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
 from loraplex.clients.load import StreamJob, StreamOutcome, run_streams, stream_problem
-from loraplex.demo import build_peft_adapter
+from loraplex.models.builtin.demo import build_peft_adapter
 
 VICTIMS = ("victim-garbled", "victim-deleted", "resident-garbled", "resident-deleted")
 FILLERS = tuple(f"filler-{i}" for i in range(4))

@@ -1,6 +1,6 @@
 """Fixtures of the multi-LoRA engine tests: tiny LLaMA-family models, each with six PEFT adapters.
 
-A *family* is one tiny random checkpoint (``loraplex.demo.build_tiny_llama``) plus the
+A *family* is one tiny random checkpoint (``loraplex.models.builtin.demo.build_tiny_llama``) plus the
 adapters of ``ADAPTER_SPECS``, written by peft itself (``save_pretrained``) under
 ``tmp_path_factory``. Families are built once per session, on first use, so every test
 module that needs one shares it (and peft's reference models, cached in
@@ -66,7 +66,7 @@ def build_family(root: Path, arch: str) -> Family:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from loraplex.demo import build_peft_adapter, build_tiny_llama
+    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -14,7 +14,7 @@ import threading
 from test_containment import (add_good, assert_exact, assert_idle, collect, engine_factory,  # noqa: F401 - fixtures
                               reference, request)
 
-from loraplex.request import SamplingParams
+from loraplex.engine.request import SamplingParams
 
 
 def held_read(engine):

@@ -15,8 +15,8 @@ import pytest
 from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.request import EngineShuttingDown, InvalidRequest, SamplingParams
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import EngineShuttingDown, InvalidRequest, SamplingParams
 
 GOOD = [("Hello there", None), ("The quick brown fox", "demo-a"), ("LoRA adapters", "demo-b"), ("Tenants", None)]
 MAX_TOKENS = 12

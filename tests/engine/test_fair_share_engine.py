@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.request import SamplingParams
-from loraplex.tenancy import Tenant
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import SamplingParams
+from loraplex.tenancy.tenants import Tenant
 
 MAX_NUM_SEQS, MAX_TOKENS, PROMPT_TOKENS = 4, 8, 14
 U = PROMPT_TOKENS + MAX_NUM_SEQS * MAX_TOKENS

@@ -17,7 +17,7 @@ import pytest
 from test_multi_lora import LOGIT_ATOL, LOGIT_BATCHES, logits_match_peft, make_engine
 
 from loraplex.config import EngineConfig
-from loraplex.request import SamplingParams
+from loraplex.engine.request import SamplingParams
 
 
 def _rounded_copy(src: str, dst, keep=lambda tensor: False) -> str:

@@ -20,10 +20,10 @@ import torch
 
 import peft_reference as ref
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.models.llama import AttentionBatch, LoraBatch
 from loraplex.models.lora_tiles import SlotTiles
-from loraplex.request import RequestOutput, SamplingParams, SeqStatus
+from loraplex.engine.request import RequestOutput, SamplingParams, SeqStatus
 
 LOGIT_ATOL = 1e-4  # fp32; the observed maximum is below 2e-5 (logits are O(10))
 MAX_LORAS = 3
@@ -305,7 +305,7 @@ def test_a_prefill_step_in_either_form_matches_peft(lora_family, kernel_mode, mo
     # prompt rows attend to at most ROWS_FORM_MAX_MEAN_CONTEXT keys each on average (chunks after the first read
     # the cached ones),
     # else by the prefill path; peft's logits either way
-    from loraplex import model_runner
+    from loraplex.worker import model_runner
 
     if kernel_mode != "auto":
         pytest.skip("the decode form is the native forward's")

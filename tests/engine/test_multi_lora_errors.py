@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import peft_reference as ref
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora import AdapterError, AdapterNotFound
-from loraplex.request import RequestOutput, SamplingParams
+from loraplex.engine.request import RequestOutput, SamplingParams
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.queue_share import QueueFull
-from loraplex.request import InvalidRequest, RequestCancelled, SamplingParams
-from loraplex.tenancy import Tenant
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.tenancy.queue_share import QueueFull
+from loraplex.engine.request import InvalidRequest, RequestCancelled, SamplingParams
+from loraplex.tenancy.tenants import Tenant
 
 PROMPT = "quota"  # 5 bytes + BOS: 6 prompt tokens
 TPM = 10_000
@@ -50,7 +50,7 @@ def settled(engine, name="acme") -> tuple[int, int, int]:
 
 @pytest.fixture(autouse=True)
 def fresh_quotas(engine):
-    from loraplex.quotas import TenantQuotas
+    from loraplex.tenancy.quotas import TenantQuotas
     engine.quotas = TenantQuotas(engine.config.max_waiting_requests, engine.config.tenant_queue_share)
     yield
     assert not engine.has_work()

@@ -13,8 +13,8 @@ import pytest
 from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.request import EngineOverloaded, InvalidRequest, SamplingParams
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import EngineOverloaded, InvalidRequest, SamplingParams
 
 PROMPTS = [
     "Preemption keeps every token.",
@@ -280,7 +280,7 @@ def test_repeated_decode_inputs_equal_a_rebuild_through_preemption_and_forks(dem
     """Every step's inputs, repeated or not, equal StepArrays.build's; the streams stay peft's."""
     import numpy as np
 
-    from loraplex.step_arrays import StepArrays
+    from loraplex.worker.step_arrays import StepArrays
 
     engine = make_engine(demo, num_kv_blocks=16, preemption_mode=mode, swap_space_bytes=8 * 32 * 1024)
     inputs, repeats = engine.runner._inputs, []

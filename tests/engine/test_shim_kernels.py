@@ -14,9 +14,9 @@ import pytest
 
 import peft_reference as ref
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.kernels import cpu_runner, dispatch
-from loraplex.request import SamplingParams
+from loraplex.engine.request import SamplingParams
 
 BLOCK_SIZE = 8
 SHARED = "The quick brown fox jumps over"  # 31 tokens with <s>: three full blocks to share
@@ -39,7 +39,7 @@ KERNELS = (
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, adapter name -> PEFT dir) of a tiny LLaMA the shim runs quickly."""
-    from loraplex.demo import build_peft_adapter, build_tiny_llama
+    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
 
     root = tmp_path_factory.mktemp("shim-model")
     model_dir = build_tiny_llama(root / "model", **MODEL)
@@ -118,7 +118,7 @@ def test_decode_graph_replays_match_peft(tiny, shim_launches):
     capture that reruns the forward on them, as a CUDA graph replays it): steps of 3 sequences pad to 4, steps
     of 5 run eagerly, the base request's last steps replay the graph without LoRA, and every token still
     equals peft's."""
-    from loraplex.decode_graphs import DecodeGraphs
+    from loraplex.worker.decode_graphs import DecodeGraphs
 
     model_dir, adapters = tiny
     engine = LLMEngine(EngineConfig(

@@ -14,13 +14,13 @@ import pytest
 
 import peft_reference as ref
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora.manager import AdapterNotFound
 from loraplex.lora.store import AdapterStore
 from loraplex.models.loader import load_hf_config
-from loraplex.quotas import QuotaExceeded
-from loraplex.request import SamplingParams
-from loraplex.tenancy import Tenant
+from loraplex.tenancy.quotas import QuotaExceeded
+from loraplex.engine.request import SamplingParams
+from loraplex.tenancy.tenants import Tenant
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8

@@ -29,7 +29,7 @@ from loraplex.lora.manager import AdapterNotFound
 from loraplex.lora.store import (COLLECT_INTERVAL_SECONDS, RETIRED_VERSION_GRACE_SECONDS, AdapterStore,
                                  AdapterStoreError, Collector, StoreFull, TenantUsage, max_weights_bytes,
                                  tenant_dir_name)
-from loraplex.tenancy import Tenant
+from loraplex.tenancy.tenants import Tenant
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_RANK = 16

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from loraplex.quotas import QuotaExceeded
-from loraplex.request import EngineOverloaded, EngineShuttingDown
+from loraplex.tenancy.quotas import QuotaExceeded
+from loraplex.engine.request import EngineOverloaded, EngineShuttingDown
 from loraplex.triton.admission import AdmissionPool, Job
 
 

@@ -1,6 +1,5 @@
 """A server keeps one CPU for Triton's threads; an operator's OMP_NUM_THREADS wins."""
 
-import os
 
 import pytest
 
@@ -27,7 +26,7 @@ def test_negative_threads_are_refused():
 
 def _engine_sets(demo, knob: str, value: int, get, put) -> None:
     """An engine built with knob=value leaves get() == value (put restores what was there)."""
-    from loraplex.engine import LLMEngine
+    from loraplex.engine.llm_engine import LLMEngine
 
     before = get()
     try:

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from loraplex.decode_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
+from loraplex.worker.decode_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 
 
 def test_capture_sizes_reach_max_num_seqs():

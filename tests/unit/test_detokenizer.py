@@ -2,7 +2,7 @@
 
 import pytest
 
-from loraplex.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from loraplex.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_stop_string_truncates_and_is_held_back(tokenizer):
 def test_the_backend_decoder_equals_hf_decode(tokenizer, skip_special):
     import random
 
-    from loraplex.detokenizer import decoder_of
+    from loraplex.engine.detokenizer import decoder_of
 
     decode = decoder_of(tokenizer, skip_special)
     assert decode.func == tokenizer._tokenizer.decode  # the fast path is the one taken here
@@ -50,7 +50,7 @@ def test_the_backend_decoder_equals_hf_decode(tokenizer, skip_special):
 
 
 def test_a_tokenizer_that_cleans_up_spaces_keeps_hf_decode(tokenizer):
-    from loraplex.detokenizer import decoder_of
+    from loraplex.engine.detokenizer import decoder_of
 
     class CleaningUp:
         _tokenizer = tokenizer._tokenizer
@@ -80,7 +80,7 @@ def test_the_decode_stream_gives_the_window_paths_deltas(tokenizer, model):
     import random
     from pathlib import Path
 
-    from loraplex.detokenizer import stream_of
+    from loraplex.engine.detokenizer import stream_of
 
     if model == "smollm2":
         from transformers import AutoTokenizer

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.engine_stats import (
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.stats import (
     BATCH_SEQUENCES, BATCH_TOKENS, E2E, QUEUE, STEP_HOST, TPOT, TTFT, EngineStats, failure_reason,
 )
 from loraplex.lora.adapter import AdapterError
 from loraplex.lora.manager import AdapterNotFound
-from loraplex.quotas import QuotaExceeded
-from loraplex.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled, SamplingParams
-from loraplex.tenancy import InvalidApiKey
+from loraplex.tenancy.quotas import QuotaExceeded
+from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled, SamplingParams
+from loraplex.tenancy.tenants import InvalidApiKey
 
 
 @pytest.fixture(scope="module")

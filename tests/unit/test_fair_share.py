@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_harness import Harness
 
-from loraplex import scheduler as scheduler_module
-from loraplex.fair_share import ActiveRequests, VirtualTokenCounter
-from loraplex.request import FinishReason
+from loraplex.sched import scheduler as scheduler_module
+from loraplex.sched.fair_share import ActiveRequests, VirtualTokenCounter
+from loraplex.engine.request import FinishReason
 
 
 def ids(seqs):

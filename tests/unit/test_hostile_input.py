@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora.manager import AdapterNotFound
-from loraplex.request import InvalidRequest
+from loraplex.engine.request import InvalidRequest
 from loraplex.triton.parsing import parse_generate_input
 from loraplex.triton.errors import error_message
 

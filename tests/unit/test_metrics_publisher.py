@@ -7,9 +7,9 @@ import time
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine import LLMEngine
-from loraplex.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM, PREFIX, UPLOADS, capture, live_values
-from loraplex.request import InvalidRequest, SamplingParams
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM, PREFIX, UPLOADS, capture, live_values
+from loraplex.engine.request import InvalidRequest, SamplingParams
 from loraplex.triton import metrics_publisher
 from loraplex.triton.metrics_publisher import MetricsPublisher, TritonMetrics, metrics_enabled, start_publisher
 
@@ -44,7 +44,7 @@ class FakeFamily:
     def __init__(self, pb, name, kind):
         self.pb, self.name, self.kind, self.metrics = pb, name, kind, []
 
-    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+    def Metric(self, labels, buckets=None):  # pb_utils' name
         metric = FakeMetric(self.pb, self, labels, buckets)
         self.metrics.append(metric)
         return metric

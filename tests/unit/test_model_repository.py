@@ -27,7 +27,7 @@ def test_another_base_model_does_not_inherit_them(tmp_path):
 
 
 def test_loraplex_home_names_the_project_root(monkeypatch, tmp_path):
-    from loraplex.tritonserver import project_root
+    from loraplex.launch.tritonserver import project_root
 
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
     assert project_root() == tmp_path

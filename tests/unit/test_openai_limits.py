@@ -27,7 +27,7 @@ from loraplex.openai.offload import RenderPool
 from loraplex.openai.protocol import ChatCompletionRequest
 from loraplex.openai.template_inputs import TEMPLATE_VARIABLES
 from loraplex.openai.triton_stream import Delta
-from loraplex.tritonserver import free_ports
+from loraplex.launch.tritonserver import free_ports
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_messages=8, max_choices=6, render_threads=2, render_timeout_s=1.0)
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -232,7 +232,7 @@ def test_a_request_never_supplies_a_template(served, fields, param):
 
 
 def test_allowed_template_variables_reach_the_operators_template(demo, tmp_path):
-    from loraplex.demo import build_byte_tokenizer
+    from loraplex.models.builtin.demo import build_byte_tokenizer
 
     build_byte_tokenizer(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -15,8 +15,8 @@ from loraplex.openai.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       completion_logprobs)
 from loraplex.openai.responses import Tally
 from loraplex.openai.triton_stream import Delta, TritonClient, parse_adapter_list
-from loraplex.tenancy import AUTH_ERROR
-from loraplex.tritonserver import free_ports
+from loraplex.tenancy.tenants import AUTH_ERROR
+from loraplex.launch.tritonserver import free_ports
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -145,7 +145,7 @@ def test_chat_template_renders_with_one_bos(demo, tmp_path):
     text = renderer.render(MESSAGES)
     assert not text.startswith("<s>") and text.endswith("<|assistant|>\n")
     assert renderer.tokenizer(text).input_ids.count(renderer.tokenizer.bos_token_id) == 1
-    from loraplex.demo import build_byte_tokenizer
+    from loraplex.models.builtin.demo import build_byte_tokenizer
 
     build_byte_tokenizer(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from loraplex.request import InvalidRequest, SamplingParams
+from loraplex.engine.request import InvalidRequest, SamplingParams
 from loraplex.triton.parsing import parse_generate_input
 
 

@@ -4,7 +4,7 @@ except its first and its final one; every token still arrives once, in order (no
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.request import RequestOutput
+from loraplex.engine.request import RequestOutput
 from loraplex.triton.parsing import RETURN_FLAGS
 from loraplex.triton.responder import Responder
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from loraplex.request import SamplingParams
-from loraplex.sampler import make_generator, sample, token_logprobs
+from loraplex.engine.request import SamplingParams
+from loraplex.worker.sampler import make_generator, sample, token_logprobs
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]])
 

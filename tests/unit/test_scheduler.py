@@ -11,12 +11,12 @@ from scheduler_harness import Harness
 
 from loraplex.config import EngineConfig
 from loraplex.kv_cache import SwapSpace
-from loraplex.policies import (
+from loraplex.sched.policies import (
     admission_key, fcfs_key, longest_first, lowest_priority, most_preempted_last, priority_key, sjf_key,
 )
-from loraplex.preemption import AdmissionCap
-from loraplex.request import FinishReason, Request, SamplingParams, Sequence, SeqStatus
-from loraplex.waiting_queue import WaitingQueue
+from loraplex.sched.preemption import AdmissionCap
+from loraplex.engine.request import FinishReason, Request, SamplingParams, Sequence, SeqStatus
+from loraplex.sched.waiting_queue import WaitingQueue
 
 
 def rows(batch):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import Harness
 
-from loraplex.request import FinishReason
+from loraplex.engine.request import FinishReason
 
 MAX_STEPS = 3000
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loraplex import smollm2
+from loraplex.models.builtin import smollm2
 
 
 def fake_checkpoint(folder, version=smollm2.CONVERSION_VERSION, stamp=True):

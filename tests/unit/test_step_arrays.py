@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.step_arrays import StepArrays
-from loraplex.request import SamplingParams
-from loraplex.sampler import make_generator, sample, sample_tokens, token_logprobs
+from loraplex.worker.step_arrays import StepArrays
+from loraplex.engine.request import SamplingParams
+from loraplex.worker.sampler import make_generator, sample, sample_tokens, token_logprobs
 
 BS = 4
 
@@ -143,7 +143,7 @@ class Loop:
 
 
 def test_repeated_decode_equals_a_rebuild_across_new_blocks_and_copy_on_write():
-    from loraplex.step_arrays import RepeatedDecode
+    from loraplex.worker.step_arrays import RepeatedDecode
 
     seqs = [seq(range(10, 10 + n), n - 1) for n in (3, 4, 5, 9)]  # one token each to decode
     tables = [[1], [2], [3, 4], [5, 6, 7]]
@@ -159,7 +159,7 @@ def test_repeated_decode_equals_a_rebuild_across_new_blocks_and_copy_on_write():
 
 
 def test_repeated_decode_rebuilds_when_the_batch_changes_or_its_tokens_were_not_applied():
-    from loraplex.step_arrays import RepeatedDecode
+    from loraplex.worker.step_arrays import RepeatedDecode
 
     loop, inputs = Loop(1), RepeatedDecode(BS)
     seqs = [seq(range(10, 14), 3), seq(range(20, 26), 5)]
@@ -181,7 +181,7 @@ def test_repeated_decode_rebuilds_when_the_batch_changes_or_its_tokens_were_not_
 def test_a_prefill_takes_the_decode_form_up_to_a_mean_context(monkeypatch):
     # model_runner: a step's prompt rows run as decode rows while they attend to ROWS_FORM_MAX_MEAN_CONTEXT keys
     # each on average; decode rows (one new token) do not count
-    from loraplex import model_runner
+    from loraplex.worker import model_runner
 
     monkeypatch.setattr(model_runner, "ROWS_FORM_MAX_MEAN_CONTEXT", 100)
 

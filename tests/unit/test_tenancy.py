@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from loraplex import tenancy
-from loraplex.tenancy import (AUTH_ERROR, InvalidApiKey, TenantResolver, TenantsFile, TenantsFileError, key_digest,
+from loraplex.tenancy import tenants as tenancy
+from loraplex.tenancy.tenants import (AUTH_ERROR, InvalidApiKey, TenantResolver, TenantsFile, TenantsFileError, key_digest,
                               load_tenants_file, new_key, parse_tenants)
 
 
@@ -136,7 +136,7 @@ def test_reload_within_the_window_and_broken_edit_keeps_last_good(tmp_path, capl
     clock.now = 2.0
     failures = []
     tenants.on_failure = lambda: failures.append(tenants.reload_failures)
-    with caplog.at_level(logging.ERROR, logger="loraplex.tenancy"):
+    with caplog.at_level(logging.ERROR, logger="loraplex.tenancy.tenants"):
         assert tenants.tenant_for_key("key-i").name == "initech"
         assert tenants.tenant_for_key("key-i").name == "initech"  # within the second: not checked again
         clock.now = 3.0

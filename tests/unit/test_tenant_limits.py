@@ -6,11 +6,11 @@ import pytest
 
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions, tenant_key
 from loraplex.lora.manager import AdapterNotFound
-from loraplex.metrics import OTHER_TENANTS, TenantLabels
-from loraplex.queue_share import QueueFull
-from loraplex.quotas import WINDOW_SECONDS, QuotaExceeded, TenantQuotas
-from loraplex.request import EngineOverloaded, InvalidRequest, Request, SamplingParams
-from loraplex.tenancy import Tenant
+from loraplex.engine.metrics import OTHER_TENANTS, TenantLabels
+from loraplex.tenancy.queue_share import QueueFull
+from loraplex.tenancy.quotas import WINDOW_SECONDS, QuotaExceeded, TenantQuotas
+from loraplex.engine.request import EngineOverloaded, InvalidRequest, Request, SamplingParams
+from loraplex.tenancy.tenants import Tenant
 
 
 class Clock:
@@ -178,7 +178,7 @@ def test_development_tenant_labels_are_bounded_and_the_rest_are_other():
 
 def test_hashed_tenant_labels_are_stable_per_salt_and_do_not_show_the_name():
     from loraplex.config import EngineConfig
-    from loraplex.metrics import hashed_tenant
+    from loraplex.engine.metrics import hashed_tenant
 
     labels = TenantLabels.from_config(EngineConfig(metric_tenant_label="hash", metric_tenant_salt="s3"))
     assert labels.label("acme", True) == hashed_tenant("acme", "s3") == labels.label("acme", True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
 
-from .request import Sequence
+from loraplex.engine.request import Sequence
 
 AdmissionKey = Callable[[Sequence], tuple]
 VictimPolicy = Callable[[Seq[Sequence]], Sequence]

@@ -13,7 +13,7 @@ sequence that ends its request keeps its blocks, pin and row (a *padding* row: i
 token's decode, rerun every step without advancing, its output dropped) until then, as
 padded rows cost a static batch on any device. ``static-shrink`` lets ended rows leave.
 
-Tenants (backend/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
+Tenants (backend/sched/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
 backlogged tenant with the least virtual token counter; a tenant is charged its prompt at
 a request's first admission (never again when a preempted sequence resumes) and each
 generated token in ``update``. ``max_concurrent_requests`` counts sequences: a request's n
@@ -32,13 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from .fair_share import ActiveRequests, VirtualTokenCounter
-from .kv_cache.manager import KVCacheManager
-from .kv_cache.swap_space import SwapSpace
-from .policies import VICTIM_POLICIES, admission_key
-from .preemption import AdmissionCap
-from .request import FinishReason, Sequence, SeqStatus
-from .waiting_queue import WaitingQueue
+from loraplex.sched.fair_share import ActiveRequests, VirtualTokenCounter
+from loraplex.kv_cache.manager import KVCacheManager
+from loraplex.kv_cache.swap_space import SwapSpace
+from loraplex.sched.policies import VICTIM_POLICIES, admission_key
+from loraplex.sched.preemption import AdmissionCap
+from loraplex.engine.request import FinishReason, Sequence, SeqStatus
+from loraplex.sched.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ that frees is its own again, even while requests of it still hold shared places.
 
 from __future__ import annotations
 
-from .request import EngineOverloaded, Request
+from loraplex.engine.request import EngineOverloaded, Request
 
 
 class QueueFull(EngineOverloaded):

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .models.llama import AttentionBatch, LoraBatch
+from loraplex.models.llama import AttentionBatch, LoraBatch
 
 log = logging.getLogger("loraplex.graphs")
 
@@ -157,7 +157,7 @@ def build_decode_graphs(model, kv_cache: torch.Tensor, max_num_seqs: int, max_mo
     try:
         return DecodeGraphs(model, kv_cache, capture_sizes(max_num_seqs), -(-max_model_len // block_size),
                             lora_slots)
-    except Exception:  # noqa: BLE001 - eager decode is slower, never wrong
+    except Exception:  # eager decode is slower, never wrong
         log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import kernels
-from .models.llama import AttentionBatch, LlamaModel, LoraBatch
-from .models.lora_tiles import SlotTiles
-from .sampler import sample_tokens, token_logprobs
-from .step_arrays import RepeatedDecode
+from loraplex import kernels
+from loraplex.models.llama import AttentionBatch, LlamaModel, LoraBatch
+from loraplex.models.lora_tiles import SlotTiles
+from loraplex.worker.sampler import sample_tokens, token_logprobs
+from loraplex.worker.step_arrays import RepeatedDecode
 
 
 # On the torch path a run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two

@@ -1,6 +1,6 @@
 """Build the offline demo: a byte-level tokenizer, a tiny random LLaMA and two PEFT adapters.
 
-``python -m loraplex.demo [--out .cache/demo] [--force]`` writes::
+``python -m loraplex.models.builtin.demo [--out .cache/demo] [--force]`` writes::
 
     <out>/model/                 LLaMA checkpoint (safetensors, fp32) + tokenizer + generation_config
     <out>/adapters/demo-a/       r=8,  alpha=16, q_proj,v_proj
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .lora.shapes import MODULES
+from loraplex.lora.shapes import MODULES
 
 DEMO_VERSION = 1
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
@@ -73,12 +73,12 @@ CHECK_PROMPTS = (
 
 def log(msg: str) -> None:
     """Progress message on stderr."""
-    print(f"[loraplex.demo] {msg}", file=sys.stderr, flush=True)
+    print(f"[loraplex.models.builtin.demo] {msg}", file=sys.stderr, flush=True)
 
 
 def default_out_dir() -> Path:
     """``$LORAPLEX_CACHE_DIR/demo`` or ``<project>/.cache/demo``."""
-    from loraplex.tritonserver import cache_dir
+    from loraplex.launch.tritonserver import cache_dir
 
     return cache_dir() / "demo"
 
@@ -263,7 +263,7 @@ def _quiet_transformers() -> None:
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - cosmetic only
+    except (ImportError, AttributeError):  # pragma: no cover - cosmetic only
         pass
 
 
@@ -355,7 +355,7 @@ def build_demo(out_dir: str | os.PathLike | None = None, force: bool = False) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: build the demo and print its paths as JSON."""
-    ap = argparse.ArgumentParser(prog="python -m loraplex.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m loraplex.models.builtin.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default: .cache/demo in the project)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a complete demo exists")
     args = ap.parse_args(argv)

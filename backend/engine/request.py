@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .tenancy import Tenant
+    from loraplex.tenancy.tenants import Tenant
 
 
 class InvalidRequest(ValueError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from loraplex.engine.llm_engine import LLMEngine
 
 PREFIX = "loraplex_"
 OTHER_TENANTS = "other"

@@ -22,8 +22,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from .queue_share import QueueShare
-from .request import EngineOverloaded, InvalidRequest, Request
+from loraplex.tenancy.queue_share import QueueShare
+from loraplex.engine.request import EngineOverloaded, InvalidRequest, Request
 
 WINDOW_SECONDS = 60
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from .request import InvalidRequest
+from loraplex.engine.request import InvalidRequest
 
-log = logging.getLogger("loraplex.tenancy")
+log = logging.getLogger("loraplex.tenancy.tenants")
 
 TENANTS_FILE_ENV = "LORAPLEX_TENANTS_FILE"
 DEFAULT_TENANT = "default"

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from loraplex.openai.process import GatewayError, GatewayProcess
-from loraplex.processes import process_running
-from loraplex.tenancy import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
-from loraplex.tritonserver import (ADMIN_HEADER, RESTRICTED_APIS, TritonServer, TritonServerError, cache_dir,
+from loraplex.launch.processes import process_running
+from loraplex.tenancy.tenants import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
+from loraplex.launch.tritonserver import (ADMIN_HEADER, RESTRICTED_APIS, TritonServer, TritonServerError, cache_dir,
                                    engine_env, project_root)
 
 ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
@@ -63,11 +63,11 @@ def builtin_model(name: str) -> tuple[Path, Path, dict]:
     with demo-a / demo-b (gibberish text; what the tests use).
     """
     if name == "tiny":
-        from loraplex.demo import build_demo
+        from loraplex.models.builtin.demo import build_demo
 
         demo = build_demo()
         return Path(demo["model"]), Path(demo["adapters"]), {"lora_name": "demo-a"}
-    from loraplex.smollm2 import chat_text, ensure_smollm2
+    from loraplex.models.builtin.smollm2 import chat_text, ensure_smollm2
 
     model_dir = ensure_smollm2()
     return model_dir, project_root() / "demo_adapters", {

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .detokenizer import IncrementalDetokenizer
-from .request import FinishReason, Request, RequestOutput, Sequence
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.request import FinishReason, Request, RequestOutput, Sequence
 
 log = logging.getLogger("loraplex.outputs")
 
@@ -116,7 +116,7 @@ class OutputProcessor:
                     self.loop_quiet.wait(MAX_DEFER_SECONDS)
                     outputs += self.process(events[i:i + CHUNK])
                 self._hand_over(outputs)
-            except Exception:  # noqa: BLE001 - the output thread must never die
+            except Exception:  # the output thread must never die
                 log.exception("output processing failed")
 
     def _hand_over(self, outputs: list[RequestOutput]) -> None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .config import STOP_FILE_ENV
-from .processes import (STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions, processes,
+from loraplex.config import STOP_FILE_ENV
+from loraplex.launch.processes import (STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions, processes,
                         release_guard, start_guard, start_in_session, unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
@@ -71,7 +71,7 @@ def project_root() -> Path:
     checkout this module lives in, else (an installed wheel) the current directory."""
     if os.environ.get("LORAPLEX_HOME"):
         return Path(os.environ["LORAPLEX_HOME"])
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # backend/launch/tritonserver.py -> the checkout
     if (here / "pyproject.toml").is_file():
         return here
     return Path.cwd()

@@ -11,37 +11,37 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from . import kernels
-from .config import EngineConfig, native_cpu_threads
-from .decode_graphs import build_decode_graphs
-from .engine_stats import EngineStats
-from .kv_cache.hashing import namespace_key
-from .kv_cache.manager import KVCacheManager
-from .lora.adapter import AdapterError
-from .lora.catalog import AdapterCatalog, AdapterVersions
-from .lora.manager import AdapterManager, AdapterNotFound
-from .lora.preloader import AdapterPreloader
-from .lora.shapes import module_shapes
-from .lora.slots import LoraSlots
-from .lora.store import AdapterStore
-from .metrics import TenantLabels
-from .model_runner import ModelRunner
-from .models.llama import LlamaModel
-from .models.loader import load_hf_config
-from .output_processor import ErrorEvent, OutputProcessor
-from .request import (
+from loraplex import kernels
+from loraplex.config import EngineConfig, native_cpu_threads
+from loraplex.worker.decode_graphs import build_decode_graphs
+from loraplex.engine.stats import EngineStats
+from loraplex.kv_cache.hashing import namespace_key
+from loraplex.kv_cache.manager import KVCacheManager
+from loraplex.lora.adapter import AdapterError
+from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
+from loraplex.lora.manager import AdapterManager, AdapterNotFound
+from loraplex.lora.preloader import AdapterPreloader
+from loraplex.lora.shapes import module_shapes
+from loraplex.lora.slots import LoraSlots
+from loraplex.lora.store import AdapterStore
+from loraplex.engine.metrics import TenantLabels
+from loraplex.worker.model_runner import ModelRunner
+from loraplex.models.llama import LlamaModel
+from loraplex.models.loader import load_hf_config
+from loraplex.engine.output_processor import ErrorEvent, OutputProcessor
+from loraplex.engine.request import (
     EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
     SamplingParams, Sequence, SeqStatus,
 )
-from .prompt_bound import check_prompt_bytes, longest_token_bytes
-from .quotas import TenantQuotas
-from .sampler import make_generator
-from .scheduler import Scheduler
+from loraplex.engine.prompt_bound import check_prompt_bytes, longest_token_bytes
+from loraplex.tenancy.quotas import TenantQuotas
+from loraplex.worker.sampler import make_generator
+from loraplex.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from .tenancy import Tenant
+    from loraplex.tenancy.tenants import Tenant
 
-log = logging.getLogger("loraplex.engine")
+log = logging.getLogger("loraplex.engine.llm_engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -228,7 +228,7 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; raises EngineOverloaded when the waiting queue has no place for its tenant
-        (backend/queue_share.py), or QuotaExceeded over the tenant's max_queued_requests or tokens_per_minute."""
+        (backend/tenancy/queue_share.py), or QuotaExceeded over the tenant's max_queued_requests or tokens_per_minute."""
         with self._accept_lock:
             if self._closed:
                 raise EngineShuttingDown("the model is shutting down; retry on another replica")
@@ -315,7 +315,7 @@ class LLMEngine:
         forward_start = time.perf_counter()
         try:
             result = self._forward(batch, outputs)
-        except Exception as exc:  # noqa: BLE001 - no newcomer to blame: the batch's own requests fail
+        except Exception as exc:  # no newcomer to blame: the batch's own requests fail
             log.exception("forward pass failed; failing the %d requests of its batch", len(batch.seqs))
             for seq in batch.seqs:
                 outputs += self._fail_request(seq.request, exc)
@@ -403,7 +403,7 @@ class LLMEngine:
             return [self._error_event(request, RequestCancelled("Request was cancelled"), "abort")]
         try:
             seqs = self._new_sequences(request)
-        except Exception as exc:  # noqa: BLE001 - e.g. its adapter broke on disk since validation
+        except Exception as exc:  # e.g. its adapter broke on disk since validation
             if not isinstance(exc, (AdapterError, AdapterNotFound, InvalidRequest)):
                 log.exception("request %s failed at admission", request.request_id)
             return [self._error_event(request, exc)]
@@ -541,11 +541,11 @@ class LLMEngine:
         while not self._stopping:
             try:
                 self._serve()
-            except BaseException as exc:  # noqa: BLE001 - the loop thread must never die
+            except BaseException as exc:  # the loop thread must never die
                 log.exception("engine loop failed; failing every request it held and resetting its state")
                 try:
                     self.processor.submit(self._recover(exc))
-                except BaseException:  # noqa: BLE001
+                except BaseException:
                     log.exception("engine recovery failed; retrying")
                 time.sleep(0.05)  # never spin if the failure repeats
 
@@ -564,7 +564,7 @@ class LLMEngine:
             if self.on_step is not None:
                 try:
                     self.on_step(self)
-                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                except Exception:  # metrics must never stop serving
                     log.exception("on_step hook failed")
 
     def _recover(self, exc: BaseException) -> list[ErrorEvent]:

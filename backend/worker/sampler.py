@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import kernels
-from .request import SamplingParams
+from loraplex import kernels
+from loraplex.engine.request import SamplingParams
 
 
 def make_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:

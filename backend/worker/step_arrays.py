@@ -8,7 +8,7 @@ from operator import is_
 
 import numpy as np
 
-from . import kernels
+from loraplex import kernels
 
 
 @dataclass(slots=True)

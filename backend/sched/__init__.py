@@ -1,0 +1,1 @@
+"""Scheduling: the scheduler, the waiting queue, policies, preemption, fair share."""

@@ -1,0 +1,1 @@
+"""Tenants: identity from API keys, quotas, the queue share."""

@@ -1,0 +1,1 @@
+"""The model runner: step arrays, the forward, decode graphs, sampling."""
