@@ -132,8 +132,8 @@ def native_cpu_threads(configured: int = 0, environ=os.environ) -> int:
     """Threads of the native CPU ops' parallel loops (the fp16 GEMM, decode attention): configured if > 0;
     else OMP_NUM_THREADS when set (the operator's choice); else every CPU this process may use. Unlike
     torch's static splits, those loops hand out their work a panel or a sequence at a time, so a thread
-    that loses its core to Triton's threads delays only what it holds: served on 2 cores, SmolLM2 at 16
-    streams went from 244 to 337 tok/s with 2 threads, one stream unchanged (docs/benchmarks.md).
+    that loses its core to Triton's threads delays only what it holds (decision 034; figures in
+    docs/benchmarks.md).
     environ: the environment the engine runs in (a benchmark asks for a server's)."""
     if configured > 0:
         return configured
@@ -145,8 +145,8 @@ def native_cpu_threads(configured: int = 0, environ=os.environ) -> int:
 def serving_cpu_threads(environ=os.environ) -> int:
     """torch CPU threads for a server: every CPU this process may use but one, which Triton's
     frontends and the response thread need (at least 1). A torch pool as large as the machine
-    stalls at its barriers whenever another thread takes one of its cores: on 2 cores with one
-    other busy thread, one stream fell from 8.5 to 0.8-1.9 tokens/s (docs/benchmarks.md).
+    stalls at its barriers whenever another thread takes one of its cores, so the whole op waits for
+    that thread's time slice (decision 034).
     0 (keep torch's own setting) when OMP_NUM_THREADS is set in environ: that choice is the operator's."""
     if environ.get("OMP_NUM_THREADS"):
         return 0

@@ -23,7 +23,7 @@ def _plain_backend(tokenizer):
 def decoder_of(tokenizer, skip_special: bool) -> Callable[[list[int]], str]:
     """``tokenizer.decode`` as one call: the Rust backend's own decode where that is all HF's does.
 
-    HF's wrapper around it costs about 4x the decode itself (argument conversion, kwargs).
+    HF's wrapper around it costs more than the decode itself (argument conversion, kwargs; decision 017).
     """
     backend = _plain_backend(tokenizer)
     return functools.partial(tokenizer.decode if backend is None else backend.decode, skip_special_tokens=skip_special)
@@ -32,7 +32,7 @@ def decoder_of(tokenizer, skip_special: bool) -> Callable[[list[int]], str]:
 def stream_of(tokenizer, skip_special: bool):
     """(backend, DecodeStream) for a tokenizer whose decode is its backend's, else None.
 
-    The Rust ``DecodeStream`` turns one new token into its text in one call (about 1.7 us),
+    The Rust ``DecodeStream`` turns one new token into its text in one call,
     holding back an incomplete UTF-8 sequence, where the window path decodes twice.
     """
     backend = _plain_backend(tokenizer)

@@ -29,7 +29,7 @@ from loraplex.engine.request import FinishReason, Request, RequestOutput, Sequen
 log = logging.getLogger("loraplex.outputs")
 
 STOP = FinishReason.STOP.value
-CHUNK = 16  # events processed between GIL hand-backs (about 0.1 ms)
+CHUNK = 16  # events processed between GIL hand-backs: small, so the loop never waits long for the GIL
 MAX_DEFER_SECONDS = 0.005  # the longest a chunk waits for the loop to be quiet
 
 

@@ -61,7 +61,7 @@ def argmax_rows(logits):
 def native_layer_ops(device, dtype, head_dim: int) -> bool:
     """Whether a model on device in dtype calls cpu_native's layer ops (add_rms_norm, silu_mul, rotate_qk,
     write_kv, paged_attention_decode) directly: fp32 on the CPU, mode auto, the library built, a head dim it
-    takes. Direct calls skip the per-call checks (3-7 us each); a model's own tensors have the layouts they take."""
+    takes. Direct calls skip the per-call checks; a model's own tensors have the layouts they take."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32 and dispatch.MODE == "auto"
             and cpu_native.library() is not None and head_dim % 2 == 0
             and head_dim <= cpu_native.library().lp_max_head_dim())

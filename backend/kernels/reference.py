@@ -291,9 +291,9 @@ def _gather_head(cache, h, blocks, outside):
 
 
 # Up to this many gathered K elements (all KV heads of a chunk), one batched matmul serves every
-# KV head: fewer, larger ops, which wins while op overhead dominates (one decode stream of
-# SmolLM2: 1.7x faster). Beyond it the head-major copy of K and V costs more than it saves
-# (48 sequences x 290 tokens x 8 heads: 3x slower), so each KV head takes its own matmuls.
+# KV head: fewer, larger ops, which wins while op overhead dominates (a decode stream, a few short
+# ones, a short prefill). Beyond it the head-major copy of K and V costs more than it saves, so each
+# KV head takes its own matmuls (decision 042).
 _ALL_HEADS_ELEMENTS = 1 << 19
 
 
@@ -323,7 +323,7 @@ def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layou
     blocks, outside, bias, answered = layout
     length = bias.shape[-1]
     q = q.float()
-    if num_seqs == 1 and num_q == 1:  # one decode stream: torch's fused attention (SmolLM2: +12%; at 16: -6%)
+    if num_seqs == 1 and num_q == 1:  # one decode stream: torch's fused attention (fewest ops)
         out = _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale)
     elif num_seqs * length * hkv * d <= _ALL_HEADS_ELEMENTS:
         out = _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale)
@@ -434,8 +434,8 @@ def _bucket_plan(block_tables, context_lens, block_size, row_elements):
 
 
 def _cpu_decode_way(context_lens, k_cache) -> str:
-    """How the CPU attends this decode batch: one stream always "each" (the fewest ops; SmolLM2: 9.5 -> 5.3 ms
-    a token), else CPU_DECODE, whose "auto" is decided once per step by _decode_each_pays."""
+    """How the CPU attends this decode batch: one stream always "each" (the fewest ops), else CPU_DECODE,
+    whose "auto" is decided once per step by _decode_each_pays."""
     if context_lens.shape[0] == 1:
         return "each"
     if CPU_DECODE != "auto":
@@ -456,9 +456,9 @@ def _decode_each_pays(context_lens, k_cache) -> bool:
 # auto: one sequence at a time over exactly its context (_decode_each) on one thread when the contexts
 # hold EACH_MIN_BYTES of K/V a layer on average (the loop's ops are then paid for); else buckets of
 # similar lengths, one fused SDPA each (_decode_buckets). The padded batch (_attend's matmuls over
-# chunks in their order) is what a CUDA tensor gets here. Measured (1-2 threads, 16-160 sequences of
-# 20-300 tokens, docs/architecture.md): buckets 1.0-2.5x faster than the padded batch; the loop 1.4-1.7x
-# faster than the buckets at W1's 4 KiB rows on one thread, 2-3x slower at short contexts.
+# chunks in their order) is what a CUDA tensor gets here. Buckets move fewer bytes than the padded batch
+# at long-tailed contexts; the loop pays only for long contexts on one thread, its small ops losing at
+# short contexts and on more threads (decision 042 has the figures).
 CPU_DECODE = "auto"
 EACH_MIN_BYTES = 256 << 10
 BUCKET_SLACK = 1.5
@@ -524,7 +524,7 @@ def argmax_rows(logits):
     """Each row's index of its largest logit (the first of ties; NaN counts as largest), int64, and whether every
     logit is finite (one reduction: a NaN or infinity anywhere shows in the sum)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
-        tokens = torch.from_numpy(logits.numpy().argmax(axis=1))  # several times faster than torch's on a CPU
+        tokens = torch.from_numpy(logits.numpy().argmax(axis=1))  # numpy's argmax: the faster one on a CPU
     else:
         tokens = torch.argmax(logits, dim=-1)
     return tokens, math.isfinite(logits.sum().item())

@@ -19,7 +19,7 @@ from typing import Iterable
 
 STUB_COMM = "triton_python_b"  # /proc/<pid>/comm of triton_python_backend_stub (15 characters)
 SHM_PREFIX = "triton_python_backend_shm_region_"  # the stub's argv[2]; a file in /dev/shm
-DEATH_SIGNAL = signal.SIGTERM  # why SIGTERM: docs/architecture.md, "Decisions and departures"
+DEATH_SIGNAL = signal.SIGTERM  # why SIGTERM: docs/decisions/027-process-tree-and-faults.md
 _PR_SET_PDEATHSIG = 1
 GUARD_DONE = b"stopped"
 

@@ -16,7 +16,8 @@ from loraplex.models.lora_tiles import SlotTiles
 from loraplex.models.rope import RotaryEmbedding
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
-# FBGEMM, one row of SmolLM2's 30 layers 20.0 -> 18.8 ms, the same values (each output column is its own sum).
+# fewer, longer weight streams for the same bytes, and the same values (each output column is its own sum;
+# decision 041).
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
@@ -92,7 +93,7 @@ class LlamaModel:
     and multiply in fp32 (kernels.packed_linear: the native GEMM, else FBGEMM), reading half the
     bytes; the embedding is rounded the same way, so a tied ``lm_head`` and the lookups see one
     set of values. Without it, fp32 on the CPU packs the same weights as fp32 panels where the
-    native GEMM is built (1.8-2.5x MKL's at 1-48 rows). Packed weights take q/k/v and gate/up
+    native GEMM is built (decision 037). Packed weights take q/k/v and gate/up
     together (FUSED); a decode step then runs in one native call, its LoRA deltas included.
     """
 
@@ -133,7 +134,7 @@ class LlamaModel:
         elif kernels.native_panels(device, dtype, self.head_dim):
             self._pack(half=False)
         elif torch.device(device).type == "cpu" and dtype == torch.float32:
-            # one mm over a contiguous W.T: 1.1-2.5x faster than linear for a decode's 1-64 rows (32k vocab)
+            # one mm over a contiguous W.T: linear reads [vocab, hidden] slowly for a decode's few rows (decision 042)
             self.lm_head_t = self.lm_head.t().contiguous()
             if self.lm_head is not self.embed:
                 self.lm_head = None  # only the transposed copy is read

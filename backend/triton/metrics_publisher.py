@@ -1,6 +1,6 @@
 """Triton custom metrics (pb_utils.MetricFamily), published from a side thread.
 
-Each pb_utils metric call is an IPC round trip to tritonserver (~40-60 us here), so the
+Each pb_utils metric call is an IPC round trip to tritonserver (decision 023), so the
 engine loop never makes one: after a step it hands over a snapshot of its gauges and
 counters (`metrics.capture`, plain reads), at most every `CAPTURE_SECONDS` and whenever
 it goes idle, and histogram observations wait in `EngineStats.observations`. The

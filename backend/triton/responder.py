@@ -1,6 +1,6 @@
 """The response thread: coalesces engine deltas per request and sends them via Triton senders.
 
-One send costs ~250 us in the Python backend, so every delta pending for a request goes
+A send is an IPC round trip through the Python backend, so every delta pending for a request goes
 out as one response; the engine loop never blocks on delivery. With ``stream_interval`` N > 1
 a stream's response waits until it carries N new tokens (vLLM's ``--stream-interval``): the
 first response and the final one go out at once.
@@ -260,8 +260,8 @@ class Responder:
 
 class CancelPolls:
     """Which requests to ask is_cancelled() now: each about every CANCEL_POLL_SECONDS, round robin,
-    at most CANCEL_POLLS_PER_SECOND in all. Each ask is an IPC round trip to tritonserver; asking
-    every request every 20 ms cost more round trips than the token sends at 16 streams."""
+    at most CANCEL_POLLS_PER_SECOND in all. Each ask is an IPC round trip to tritonserver, so the asks
+    must grow with time, not with the requests pending (decision 022)."""
 
     def __init__(self, interval: float = CANCEL_POLL_SECONDS, rate: float = CANCEL_POLLS_PER_SECOND):
         self.interval, self.rate = interval, rate

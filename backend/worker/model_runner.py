@@ -23,8 +23,7 @@ DENSE_LORA_MIN_ROWS = 8
 # A step with prefill runs in the model's one-call decode forward, every token a query row of its own against
 # its sequence's context (the rows write their K/V before any row attends), while its prompt rows attend to at
 # most this many keys each on average: each row re-reads its sequence's keys, which costs little next to its
-# GEMMs up to a few thousand (SmolLM2 on 2 CPU cores, one 2,048-token prompt: 4.4 s against 17.5 s by the
-# prefill path; docs/benchmarks.md); longer contexts keep the prefill path.
+# GEMMs up to a few thousand (decision 039); longer contexts keep the prefill path.
 ROWS_FORM_MAX_MEAN_CONTEXT = 4096
 
 
@@ -53,7 +52,7 @@ class ModelRunner:
         # on a GPU, rows with NaN or infinite logits are found without a sync of their own (_zero_non_finite)
         self._finite_on_device = not self._on_cpu
         # CPU: logits written into one buffer step after step; a fresh one over glibc's largest mmap threshold
-        # (32 MB) is mapped and page-faulted anew each step: SmolLM2's lm_head at 256 rows 97 ms, reused 70 ms
+        # (32 MB) is mapped and page-faulted anew each step, so the buffer is reused (figures: docs/benchmarks.md)
         self._logits_buffer = torch.empty(0, model.vocab_size)
         # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
         self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
