@@ -17,22 +17,19 @@ from loraplex.worker.decode_graphs import build_decode_graphs
 from loraplex.engine.stats import EngineStats
 from loraplex.kv_cache.hashing import namespace_key
 from loraplex.kv_cache.manager import KVCacheManager
-from loraplex.lora.adapter import AdapterError
+from loraplex.exceptions import AdapterError, AdapterNotFound, EngineShuttingDown, InvalidRequest, RequestCancelled
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
-from loraplex.lora.manager import AdapterManager, AdapterNotFound
+from loraplex.lora.manager import AdapterManager
 from loraplex.lora.preloader import AdapterPreloader
 from loraplex.lora.shapes import module_shapes
 from loraplex.lora.slots import LoraSlots
 from loraplex.lora.store import AdapterStore
-from loraplex.engine.metrics import TenantLabels
+from loraplex.engine.metrics import TenantLabels, Values, per_label
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
 from loraplex.models.loader import load_hf_config
 from loraplex.engine.output_processor import ErrorEvent, OutputProcessor
-from loraplex.engine.request import (
-    EngineShuttingDown, FinishReason, InvalidRequest, Request, RequestCancelled, RequestOutput,
-    SamplingParams, Sequence, SeqStatus,
-)
+from loraplex.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
 from loraplex.engine.prompt_bound import check_prompt_bytes, longest_token_bytes
 from loraplex.tenancy.quotas import TenantQuotas
 from loraplex.worker.sampler import make_generator
@@ -173,6 +170,36 @@ class LLMEngine:
         for i in ids:
             flat.update(i if isinstance(i, (list, tuple)) else [i])
         return {i for i in flat if i is not None}
+
+    def snapshot(self) -> Values:
+        """The engine's snapshot for metrics: its loop-owned gauges and counters, read on the loop thread
+        (plain reads and dict copies, no IPC)."""
+        kv, sched, adapters, stats = self.kv_manager, self.scheduler, self.adapters, self.stats
+        values: Values = {("kv_cache_blocks", (state,)): n for state, n in kv.usage().items()}
+        values.update({
+            ("num_sequences", ("running",)): len(sched.running),
+            ("num_sequences", ("waiting",)): len(sched.waiting),
+            ("num_sequences", ("swapped",)): len(sched.swapped),
+            ("admission_cap", ()): min(sched.cap.value, self.config.max_num_seqs),
+            ("adapter_pins", ()): adapters.total_pins(),
+            ("adapters_resident", ("device",)): len(adapters.resident_names()),
+            ("adapters_resident", ("host",)): len(adapters.host_names()),
+            ("adapter_loads_total", ("host",)): adapters.loads_from_disk,
+            ("adapter_loads_total", ("device",)): adapters.device_loads,
+            ("adapter_evictions_total", ("device",)): adapters.evictions,
+            ("adapter_evictions_total", ("host",)): adapters.host_evictions,
+            ("preemptions_total", ()): sched.num_preemptions,
+        })
+        for name, counts in (
+            ("prefix_cache_query_tokens_total", sched.prefix_query_tokens),
+            ("prefix_cache_hit_tokens_total", sched.prefix_hit_tokens),
+            ("generation_tokens_total", self.generated_tokens),
+            ("request_finished_total", self.finished_requests),
+            ("prompt_tokens_total", stats.prompt_tokens),
+            ("request_success_total", stats.succeeded),
+        ):
+            per_label(values, name, dict(counts))
+        return values
 
     # ---- called from any thread ------------------------------------------------------
     def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default",

@@ -11,10 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from loraplex.engine.llm_engine import LLMEngine
 
 PREFIX = "loraplex_"
 OTHER_TENANTS = "other"
@@ -124,47 +121,18 @@ class TenantLabels:
 Values = dict[tuple[str, tuple], float]  # (family name, its label values) -> value
 
 
-def _per_label(values: Values, name: str, counts: dict) -> None:
+def per_label(values: Values, name: str, counts: dict) -> None:
+    """One value per label set of a counter dict (a bare label is a one-tuple)."""
     for key, n in counts.items():
         values[(name, key if isinstance(key, tuple) else (key,))] = n
-
-
-def capture(engine: "LLMEngine") -> Values:
-    """The loop-owned gauges and counters, read on the loop thread (plain reads and dict copies, no IPC)."""
-    kv, sched, adapters, stats = engine.kv_manager, engine.scheduler, engine.adapters, engine.stats
-    values: Values = {("kv_cache_blocks", (state,)): n for state, n in kv.usage().items()}
-    values.update({
-        ("num_sequences", ("running",)): len(sched.running),
-        ("num_sequences", ("waiting",)): len(sched.waiting),
-        ("num_sequences", ("swapped",)): len(sched.swapped),
-        ("admission_cap", ()): min(sched.cap.value, engine.config.max_num_seqs),
-        ("adapter_pins", ()): adapters.total_pins(),
-        ("adapters_resident", ("device",)): len(adapters.resident_names()),
-        ("adapters_resident", ("host",)): len(adapters.host_names()),
-        ("adapter_loads_total", ("host",)): adapters.loads_from_disk,
-        ("adapter_loads_total", ("device",)): adapters.device_loads,
-        ("adapter_evictions_total", ("device",)): adapters.evictions,
-        ("adapter_evictions_total", ("host",)): adapters.host_evictions,
-        ("preemptions_total", ()): sched.num_preemptions,
-    })
-    for name, counts in (
-        ("prefix_cache_query_tokens_total", sched.prefix_query_tokens),
-        ("prefix_cache_hit_tokens_total", sched.prefix_hit_tokens),
-        ("generation_tokens_total", engine.generated_tokens),
-        ("request_finished_total", engine.finished_requests),
-        ("prompt_tokens_total", stats.prompt_tokens),
-        ("request_success_total", stats.succeeded),
-    ):
-        _per_label(values, name, dict(counts))
-    return values
 
 
 def live_values(stats) -> Values:
     """What other threads than the loop change too (acceptances, refusals): read by the publisher itself."""
     values: Values = {}
     running, waiting = stats.requests_by_state()
-    _per_label(values, "requests_running", running)
-    _per_label(values, "requests_waiting", waiting)
-    _per_label(values, "request_failure_total", stats.failures())
+    per_label(values, "requests_running", running)
+    per_label(values, "requests_waiting", waiting)
+    per_label(values, "request_failure_total", stats.failures())
     values[("tenants_file_reload_failures_total", ())] = stats.tenants_file_reload_failures
     return values

@@ -10,7 +10,7 @@ every byte of the text exactly once, which is what makes the bound exact.)
 
 from __future__ import annotations
 
-from loraplex.engine.request import InvalidRequest
+from loraplex.exceptions import InvalidRequest
 
 
 def longest_token_bytes(tokenizer) -> int:

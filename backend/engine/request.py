@@ -8,25 +8,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from loraplex.exceptions import InvalidRequest
 
 if TYPE_CHECKING:
     from loraplex.tenancy.tenants import Tenant
-
-
-class InvalidRequest(ValueError):
-    """Bad client input: becomes an INVALID_ARG error response."""
-
-
-class RequestCancelled(Exception):
-    """The client cancelled the request: becomes a CANCELLED error response."""
-
-
-class EngineOverloaded(RuntimeError):
-    """Too many requests waiting (max_waiting_requests): becomes an UNAVAILABLE error response."""
-
-
-class EngineShuttingDown(RuntimeError):
-    """The model is being unloaded: becomes an UNAVAILABLE error response."""
 
 
 class FinishReason(str, enum.Enum):

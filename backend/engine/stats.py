@@ -11,11 +11,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from loraplex.lora.adapter import AdapterError
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.lora.store import AdapterStoreError
-from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, Request, RequestCancelled
-from loraplex.tenancy.tenants import InvalidApiKey
+from loraplex.exceptions import (AdapterError, AdapterNotFound, AdapterStoreError, EngineOverloaded, EngineShuttingDown, InvalidApiKey, InvalidRequest, RequestCancelled)
+from loraplex.engine.request import Request
 
 # histograms observed per request (per tenant) and per step (no tenant)
 TTFT, TPOT, E2E, QUEUE = "time_to_first_token_seconds", "time_per_output_token_seconds", \

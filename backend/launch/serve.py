@@ -22,7 +22,8 @@ from pathlib import Path
 
 from loraplex.openai.process import GatewayError, GatewayProcess
 from loraplex.launch.processes import process_running
-from loraplex.tenancy.tenants import TENANTS_FILE_ENV, TenantsFileError, load_tenants_file, new_key
+from loraplex.tenancy.tenants import TENANTS_FILE_ENV, load_tenants_file, new_key
+from loraplex.exceptions import TenantsFileError
 from loraplex.launch.tritonserver import (ADMIN_HEADER, RESTRICTED_APIS, TritonServer, TritonServerError, cache_dir,
                                    engine_env, project_root)
 

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from loraplex.exceptions import AdapterError
 from loraplex.lora.shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
 
 CONFIG_FILE = "adapter_config.json"
@@ -69,10 +70,6 @@ DTYPE_SIZES = {
 }
 
 log = logging.getLogger("loraplex.lora")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served: missing, malformed, unsupported, or not for this model."""
 
 
 @dataclass(slots=True)

@@ -18,7 +18,8 @@ import logging
 from collections import OrderedDict
 
 from loraplex.engine.request import Request, show
-from loraplex.lora.manager import AdapterManager, AdapterNotFound
+from loraplex.lora.manager import AdapterManager
+from loraplex.exceptions import AdapterNotFound
 
 log = logging.getLogger("loraplex.lora")
 

@@ -27,12 +27,9 @@ from pathlib import Path
 
 import torch
 
+from loraplex.exceptions import AdapterNotFound
 from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
 from loraplex.lora.slots import LoraSlots
-
-
-class AdapterNotFound(KeyError):
-    """No adapter is registered under this name."""
 
 
 def files_signature(path: Path) -> tuple | None:

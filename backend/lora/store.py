@@ -41,9 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraplex.lora.adapter import (CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, AdapterError, adapter_digest,
-                      check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter)
-from loraplex.lora.manager import AdapterNotFound
+from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
+from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter
 from loraplex.lora.shapes import module_shapes
 
 if TYPE_CHECKING:
@@ -59,14 +58,6 @@ RETIRED_VERSION_GRACE_SECONDS = 600
 COLLECT_INTERVAL_SECONDS = 60  # the server's collection timer; an upload collects at most this often too
 MAX_CONFIG_BYTES = 64 * 1024
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-
-
-class AdapterStoreError(ValueError):
-    """An upload that is refused: a bad name, a bad adapter, or over a quota (INVALID_ARG)."""
-
-
-class StoreFull(AdapterStoreError):
-    """An upload the store-wide byte cap has no room for now (UNAVAILABLE: collection frees room)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,8 @@ that frees is its own again, even while requests of it still hold shared places.
 
 from __future__ import annotations
 
-from loraplex.engine.request import EngineOverloaded, Request
-
-
-class QueueFull(EngineOverloaded):
-    """A tenant is over its part of the waiting queue and the shared part is full (UNAVAILABLE: retry later)."""
+from loraplex.exceptions import EngineOverloaded, QueueFull
+from loraplex.engine.request import Request
 
 
 class QueueShare:

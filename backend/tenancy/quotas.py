@@ -22,14 +22,11 @@ import time
 from collections import deque
 from typing import Callable
 
+from loraplex.exceptions import InvalidRequest, QuotaExceeded
 from loraplex.tenancy.queue_share import QueueShare
-from loraplex.engine.request import EngineOverloaded, InvalidRequest, Request
+from loraplex.engine.request import Request
 
 WINDOW_SECONDS = 60
-
-
-class QuotaExceeded(EngineOverloaded):
-    """A tenant's quota refuses a request (UNAVAILABLE: retry later)."""
 
 
 class TokenWindow:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from loraplex.engine.request import InvalidRequest
+from loraplex.exceptions import InvalidApiKey, TenantsFileError
 
 log = logging.getLogger("loraplex.tenancy.tenants")
 
@@ -29,21 +29,8 @@ TENANTS_FILE_ENV = "LORAPLEX_TENANTS_FILE"
 DEFAULT_TENANT = "default"
 RELOAD_CHECK_SECONDS = 1.0  # a lookup checks the file's mtime/size at most this often
 KEY_HEADER, KEY_PARAMETER = "x-api-key", "api_key"
-AUTH_ERROR = ("missing or invalid API key (send it in the x-api-key header, "
-              "or as the api_key parameter on HTTP generate)")
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 HEX_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-
-
-class InvalidApiKey(InvalidRequest):
-    """A request's API key is missing or matches no tenant (one message for both)."""
-
-    def __init__(self):
-        super().__init__(AUTH_ERROR)
-
-
-class TenantsFileError(ValueError):
-    """The tenants file cannot be read or is not valid."""
 
 
 @dataclass(frozen=True, slots=True)

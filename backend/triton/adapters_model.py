@@ -20,7 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from loraplex.engine.metrics import UPLOADS, TenantLabels
-from loraplex.engine.request import InvalidRequest
+from loraplex.exceptions import InvalidRequest
 from loraplex.tenancy.tenants import TenantResolver
 from loraplex.triton.metrics_publisher import make_metrics
 from loraplex.triton.model_config import engine_config_from_model_config

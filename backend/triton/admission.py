@@ -23,8 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from loraplex.tenancy.quotas import QuotaExceeded
-from loraplex.engine.request import EngineOverloaded, EngineShuttingDown
+from loraplex.exceptions import EngineOverloaded, EngineShuttingDown, QuotaExceeded
 
 log = logging.getLogger("loraplex.admission")
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from loraplex.lora.adapter import AdapterError
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.lora.store import AdapterStoreError, StoreFull
-from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled
+from loraplex.exceptions import (AdapterError, AdapterNotFound, AdapterStoreError, EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled, StoreFull)
 
 MAX_MESSAGE_CHARS = 2000
 INTERNAL_TEXT = "internal error (request {ref}); the server log has the details"

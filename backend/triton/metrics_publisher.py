@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from loraplex.engine.metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, capture, live_values
+from loraplex.engine.metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, live_values
 
 log = logging.getLogger("loraplex.engine.metrics")
 
@@ -125,7 +125,7 @@ class MetricsPublisher:
 
     def start(self, engine) -> None:
         """Publish the engine's state as it is now, then keep publishing from the thread."""
-        self._latest = capture(engine)
+        self._latest = engine.snapshot()
         self._publish()
         self._thread.start()
 
@@ -135,7 +135,7 @@ class MetricsPublisher:
         if now < self._next_capture and engine.has_work():
             return
         self._next_capture = now + CAPTURE_SECONDS
-        self._latest = capture(engine)
+        self._latest = engine.snapshot()
         self._wake.set()
 
     def wake(self) -> None:
@@ -145,7 +145,7 @@ class MetricsPublisher:
     def stop(self, engine=None) -> None:
         """Publish a last time (the engine's final state, if given), end the thread, release the metrics."""
         if engine is not None:
-            self._latest = capture(engine)
+            self._latest = engine.snapshot()
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():

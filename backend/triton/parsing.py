@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.engine.request import SAMPLING_KEYS, InvalidRequest, SamplingParams
+from loraplex.engine.request import SAMPLING_KEYS, SamplingParams
+from loraplex.exceptions import InvalidRequest
 
 RETURN_FLAGS = (
     "return_finish_reason",

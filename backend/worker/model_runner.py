@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loraplex.exceptions import NonFiniteLogits
 from loraplex import kernels
 from loraplex.models.llama import AttentionBatch, LlamaModel, LoraBatch
 from loraplex.models.lora_tiles import SlotTiles
@@ -35,10 +36,6 @@ class RunnerOutput:
     logprobs: list[float | None] | None  # None: no row asked for logprobs this step (none computed)
     top_logprobs: list | None
     errors: dict[int, Exception] = field(default_factory=dict)  # row -> why that row could not be sampled
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model produced NaN or infinite logits for one sequence: that request fails alone."""
 
 
 class ModelRunner:

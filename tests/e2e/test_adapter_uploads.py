@@ -29,7 +29,8 @@ from tritonserver_fixture import demo_server, make_triton_server_fixture, seed_d
 from loraplex.clients.adapters import adapter_request, read_adapter_folder, upload_adapter
 from loraplex.clients.adapters import main as adapters_main
 from loraplex.clients.generate import stream_generate
-from loraplex.tenancy.tenants import AUTH_ERROR, key_digest
+from loraplex.exceptions import AUTH_ERROR
+from loraplex.tenancy.tenants import key_digest
 from loraplex.launch.tritonserver import TritonServerError
 
 KEYS = {"acme": "acme-upload-key", "globex": "globex-upload-key", "metered": "metered-key", "queued": "queued-key",

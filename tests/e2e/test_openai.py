@@ -20,7 +20,8 @@ from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
 
 from loraplex.clients.adapters import upload_adapter
 from loraplex.clients.generate import stream_generate
-from loraplex.tenancy.tenants import AUTH_ERROR, key_digest
+from loraplex.exceptions import AUTH_ERROR
+from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"acme": "acme-openai-key", "globex": "globex-openai-key", "metered": "metered-openai-key"}
 WORK = Path(tempfile.mkdtemp(prefix="loraplex-openai-"))

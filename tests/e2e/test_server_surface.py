@@ -24,7 +24,8 @@ from tritonserver_fixture import SERVE_EXIT_TIMEOUT, Launcher, descendants, star
 
 from loraplex.clients.generate import stream_generate
 from loraplex.openai.process import GUARD_GRACE
-from loraplex.tenancy.tenants import AUTH_ERROR, key_digest
+from loraplex.exceptions import AUTH_ERROR
+from loraplex.tenancy.tenants import key_digest
 from loraplex.launch.tritonserver import ADMIN_HEADER, free_ports
 
 KEYS = {"acme": "acme-surface-key", "globex": "globex-surface-key"}

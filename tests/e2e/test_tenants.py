@@ -14,7 +14,8 @@ from tritonserver_fixture import make_triton_server_fixture
 
 from loraplex.clients.generate import main as generate_main
 from loraplex.clients.generate import stream_generate
-from loraplex.tenancy.tenants import AUTH_ERROR, key_digest
+from loraplex.exceptions import AUTH_ERROR
+from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key"}
 NEW_KEY = "initech-secret-key"

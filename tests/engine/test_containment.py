@@ -16,7 +16,8 @@ from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import EngineShuttingDown, InvalidRequest, SamplingParams
+from loraplex.engine.request import SamplingParams
+from loraplex.exceptions import EngineShuttingDown, InvalidRequest
 
 GOOD = [("Hello there", None), ("The quick brown fox", "demo-a"), ("LoRA adapters", "demo-b"), ("Tenants", None)]
 MAX_TOKENS = 12

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import peft_reference as ref
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.lora import AdapterError, AdapterNotFound
+from loraplex.exceptions import AdapterError, AdapterNotFound
 from loraplex.engine.request import RequestOutput, SamplingParams
 
 WEIGHTS = "adapter_model.safetensors"

@@ -7,8 +7,8 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.tenancy.queue_share import QueueFull
-from loraplex.engine.request import InvalidRequest, RequestCancelled, SamplingParams
+from loraplex.exceptions import InvalidRequest, QueueFull, RequestCancelled
+from loraplex.engine.request import SamplingParams
 from loraplex.tenancy.tenants import Tenant
 
 PROMPT = "quota"  # 5 bytes + BOS: 6 prompt tokens

@@ -14,7 +14,8 @@ from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import EngineOverloaded, InvalidRequest, SamplingParams
+from loraplex.engine.request import SamplingParams
+from loraplex.exceptions import EngineOverloaded, InvalidRequest
 
 PROMPTS = [
     "Preemption keeps every token.",

@@ -15,10 +15,9 @@ import pytest
 import peft_reference as ref
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.lora.manager import AdapterNotFound
+from loraplex.exceptions import AdapterNotFound, QuotaExceeded
 from loraplex.lora.store import AdapterStore
 from loraplex.models.loader import load_hf_config
-from loraplex.tenancy.quotas import QuotaExceeded
 from loraplex.engine.request import SamplingParams
 from loraplex.tenancy.tenants import Tenant
 

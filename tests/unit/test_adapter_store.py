@@ -25,10 +25,8 @@ from tiny_llama import tiny_config
 from transformers import LlamaForCausalLM
 
 from loraplex.lora.adapter import adapter_digest
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.lora.store import (COLLECT_INTERVAL_SECONDS, RETIRED_VERSION_GRACE_SECONDS, AdapterStore,
-                                 AdapterStoreError, Collector, StoreFull, TenantUsage, max_weights_bytes,
-                                 tenant_dir_name)
+from loraplex.exceptions import AdapterNotFound, AdapterStoreError, StoreFull
+from loraplex.lora.store import COLLECT_INTERVAL_SECONDS, RETIRED_VERSION_GRACE_SECONDS, AdapterStore, Collector, TenantUsage, max_weights_bytes, tenant_dir_name
 from loraplex.tenancy.tenants import Tenant
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from loraplex.tenancy.quotas import QuotaExceeded
-from loraplex.engine.request import EngineOverloaded, EngineShuttingDown
+from loraplex.exceptions import EngineOverloaded, EngineShuttingDown, QuotaExceeded
 from loraplex.triton.admission import AdmissionPool, Job
 
 

@@ -9,11 +9,8 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.stats import (
     BATCH_SEQUENCES, BATCH_TOKENS, E2E, QUEUE, STEP_HOST, TPOT, TTFT, EngineStats, failure_reason,
 )
-from loraplex.lora.adapter import AdapterError
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.tenancy.quotas import QuotaExceeded
-from loraplex.engine.request import EngineOverloaded, EngineShuttingDown, InvalidRequest, RequestCancelled, SamplingParams
-from loraplex.tenancy.tenants import InvalidApiKey
+from loraplex.exceptions import (AdapterError, AdapterNotFound, EngineOverloaded, EngineShuttingDown, InvalidApiKey, InvalidRequest, QuotaExceeded, RequestCancelled)
+from loraplex.engine.request import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.engine.request import InvalidRequest
+from loraplex.exceptions import AdapterNotFound, InvalidRequest
 from loraplex.triton.parsing import parse_generate_input
 from loraplex.triton.errors import error_message
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from tiny_llama import tiny_config
 from transformers import MistralConfig, Qwen2Config
 
-from loraplex.lora.adapter import (CONVERSION_HINT, AdapterError, LoraAdapter, check_safetensors_header,
-                                  load_peft_adapter, max_adapter_tensors, max_header_bytes)
+from loraplex.lora.adapter import CONVERSION_HINT, LoraAdapter, check_safetensors_header, load_peft_adapter, max_adapter_tensors, max_header_bytes
+from loraplex.exceptions import AdapterError
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
 
 ALL = list(MODULES)

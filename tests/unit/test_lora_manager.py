@@ -11,8 +11,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loraplex.kernels import lora_expand_bgmv, lora_shrink_bgmv
-from loraplex.lora.adapter import AdapterError, load_peft_adapter
-from loraplex.lora.manager import AdapterManager, AdapterNotFound
+from loraplex.lora.adapter import load_peft_adapter
+from loraplex.exceptions import AdapterError, AdapterNotFound
+from loraplex.lora.manager import AdapterManager
 from loraplex.lora.shapes import MODULES, module_shapes
 from loraplex.lora.slots import LoraSlots
 from loraplex.models.lora_tiles import SlotTiles

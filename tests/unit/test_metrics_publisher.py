@@ -8,9 +8,9 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM, PREFIX, UPLOADS, capture, live_values
-from loraplex.engine.request import InvalidRequest, SamplingParams
-from loraplex.triton import metrics_publisher
+from loraplex.engine.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM, PREFIX, UPLOADS, live_values
+from loraplex.engine.request import SamplingParams
+from loraplex.exceptions import InvalidRequest
 from loraplex.triton.metrics_publisher import MetricsPublisher, TritonMetrics, metrics_enabled, start_publisher
 
 
@@ -140,7 +140,7 @@ def test_publisher_captures_when_due_or_idle_and_publishes_on_its_thread(engine)
 def test_a_snapshot_is_not_taken_every_step(engine, monkeypatch):
     publisher = MetricsPublisher(TritonMetrics(FakePbUtils(), "m", "1"), engine.stats)
     taken = []
-    monkeypatch.setattr(metrics_publisher, "capture", lambda e: taken.append(1) or {})
+    monkeypatch.setattr(engine, "snapshot", lambda: taken.append(1) or {})
     monkeypatch.setattr(engine, "has_work", lambda: True)
     for _ in range(100):
         publisher.on_step(engine)
@@ -160,7 +160,7 @@ def test_metrics_off_or_unavailable_serve_without_them(engine):
         assert engine.stats.drain() == []  # nobody would drain them: none are kept
 
 
-def test_capture_and_live_values_name_only_known_families(engine):
+def test_the_snapshot_and_live_values_name_only_known_families(engine):
     names = {f.name for f in FAMILIES}
-    assert {name for name, _ in capture(engine)} <= names
+    assert {name for name, _ in engine.snapshot()} <= names
     assert {name for name, _ in live_values(engine.stats)} <= names

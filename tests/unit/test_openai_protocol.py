@@ -15,7 +15,7 @@ from loraplex.openai.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       completion_logprobs)
 from loraplex.openai.responses import Tally
 from loraplex.openai.triton_stream import Delta, TritonClient, parse_adapter_list
-from loraplex.tenancy.tenants import AUTH_ERROR
+from loraplex.exceptions import AUTH_ERROR
 from loraplex.launch.tritonserver import free_ports
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

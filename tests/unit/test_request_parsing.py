@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from loraplex.engine.request import InvalidRequest, SamplingParams
+from loraplex.engine.request import SamplingParams
+from loraplex.exceptions import InvalidRequest
 from loraplex.triton.parsing import parse_generate_input
 
 

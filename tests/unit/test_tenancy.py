@@ -9,8 +9,9 @@ import os
 import pytest
 
 from loraplex.tenancy import tenants as tenancy
-from loraplex.tenancy.tenants import (AUTH_ERROR, InvalidApiKey, TenantResolver, TenantsFile, TenantsFileError, key_digest,
-                              load_tenants_file, new_key, parse_tenants)
+from loraplex.exceptions import AUTH_ERROR
+from loraplex.tenancy.tenants import TenantResolver, TenantsFile, key_digest, load_tenants_file, new_key, parse_tenants
+from loraplex.exceptions import InvalidApiKey, TenantsFileError
 
 
 def entry(key: str, **fields) -> dict:

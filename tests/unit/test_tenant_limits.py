@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions, tenant_key
-from loraplex.lora.manager import AdapterNotFound
+from loraplex.exceptions import AdapterNotFound, EngineOverloaded, InvalidRequest, QueueFull, QuotaExceeded
 from loraplex.engine.metrics import OTHER_TENANTS, TenantLabels
-from loraplex.tenancy.queue_share import QueueFull
-from loraplex.tenancy.quotas import WINDOW_SECONDS, QuotaExceeded, TenantQuotas
-from loraplex.engine.request import EngineOverloaded, InvalidRequest, Request, SamplingParams
+from loraplex.tenancy.quotas import WINDOW_SECONDS, TenantQuotas
+from loraplex.engine.request import Request, SamplingParams
 from loraplex.tenancy.tenants import Tenant
 
 

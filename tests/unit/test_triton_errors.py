@@ -4,8 +4,7 @@ import logging
 
 import pytest
 
-from loraplex.lora.manager import AdapterNotFound
-from loraplex.engine.request import EngineOverloaded, InvalidRequest, RequestCancelled
+from loraplex.exceptions import AdapterNotFound, EngineOverloaded, InvalidRequest, RequestCancelled
 from loraplex.triton.errors import INTERNAL_TEXT, client_error
 from loraplex.triton.responder import Responder
 
