@@ -1,6 +1,6 @@
 """Process faults under load against a real tritonserver run by loraplex-serve: a killed stub, SIGTERM to the server.
 
-What Triton 2.51 does on its own (measured; docs/architecture.md): a decoupled model's dead
+What Triton 2.51 does on its own (measured; docs/decisions/027-process-tree-and-faults.md): a decoupled model's dead
 stub is never restarted, its in-flight streams hang until the server exits, and the server
 stays ready; the launcher restarts it. On SIGTERM it starts unloading the model but, with
 streams open, calls finalize() only after --exit-timeout-secs (then often crashes); the
