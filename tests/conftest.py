@@ -1,7 +1,8 @@
 """Shared fixtures: the offline demo (built once per session) and the tritonserver helper.
 
-``tests/`` is put on ``sys.path`` so any test module, in any subfolder, can write
-``from tritonserver_fixture import make_triton_server_fixture`` (see that module).
+``tests/support/`` (the test helpers: servers, the peft oracle, harnesses) is put on ``sys.path``
+so any test module, in any subfolder, can write ``from tritonserver_fixture import
+make_triton_server_fixture`` (see that module).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"
+if str(SUPPORT_DIR) not in sys.path:
+    sys.path.insert(0, str(SUPPORT_DIR))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Hostile input through a real tritonserver (gRPC streaming, HTTP generate and generate_stream).
 
-Hypothesis draws batches of hostile requests (tests/hostile.py). They are fired at once
+Hypothesis draws batches of hostile requests (tests/support/hostile.py). They are fired at once
 while good greedy streams run. Invariants: every hostile request ends with exactly one
 final response (a result or a clear error) within a bound and nothing after it; the
 good streams equal transformers + peft token for token; afterwards the KV pool, the

@@ -4,7 +4,7 @@ A *family* is one tiny random checkpoint (``loraplex.models.builtin.demo.build_t
 adapters of ``ADAPTER_SPECS``, written by peft itself (``save_pretrained``) under
 ``tmp_path_factory``. Families are built once per session, on first use, so every test
 module that needs one shares it (and peft's reference models, cached in
-``tests/peft_reference.py``).
+``tests/support/peft_reference.py``).
 """
 
 from __future__ import annotations

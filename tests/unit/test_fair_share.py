@@ -1,6 +1,6 @@
 """Fair share (VTC) and max_concurrent_requests, model-free, through the real Scheduler.
 
-The harness (tests/scheduler_harness.py) recounts the per-tenant state after every step,
+The harness (tests/support/scheduler_harness.py) recounts the per-tenant state after every step,
 so each test here also proves the counts never leak.
 """
 

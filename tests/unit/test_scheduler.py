@@ -1,6 +1,6 @@
 """Scheduler, model-free: exact batches, block ids, copy and swap pairs, admission order, caps, timeouts.
 
-The fake runner (tests/scheduler_harness.py) checks every KV slot each sequence reads,
+The fake runner (tests/support/scheduler_harness.py) checks every KV slot each sequence reads,
 so each test here also proves the KV contents stay right through what it exercises.
 """
 
