@@ -24,6 +24,7 @@ from loraplex.lora.preloader import AdapterPreloader
 from loraplex.lora.shapes import module_shapes
 from loraplex.lora.slots import LoraSlots
 from loraplex.lora.store import AdapterStore
+from loraplex.engine.inbox import Abort, Add, FinalMade, Message, OutputFailed, StopSample
 from loraplex.engine.metrics import TenantLabels, Values, per_label
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
@@ -119,7 +120,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed, self._final_made)
         self.runner.computing = self.processor.loop_quiet  # the output thread's turn for the GIL: the forward
         self.on_step: Callable[["LLMEngine"], None] | None = None  # e.g. metrics, after every step
-        self._inbox: deque = deque()
+        self._inbox: deque[Message] = deque()
         self._wake = threading.Event()
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}
@@ -264,7 +265,7 @@ class LLMEngine:
             self.stats.accept(request)
             folder = self._cold_adapter(request)
             if folder is None:
-                self._inbox.append(("add", request))
+                self._inbox.append(Add(request))
             else:
                 self._loading[request.request_id] = request
         if folder is not None:
@@ -284,7 +285,7 @@ class LLMEngine:
         with self._accept_lock:
             if self._loading.pop(request.request_id, None) is None:
                 return  # shut down meanwhile: it has had its final output
-            self._inbox.append(("add", request))
+            self._inbox.append(Add(request))
         self._wake.set()
 
     def num_waiting_requests(self) -> int:
@@ -297,22 +298,22 @@ class LLMEngine:
             if request_id in self._loading:  # its add is not in the inbox yet: the abort would overtake it
                 self._cancelled_loading.add(request_id)
                 return
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(Abort(request_id))
         self._wake.set()
 
     def _stop_sequence(self, seq: Sequence) -> None:
         """The output processor matched a stop string: end the sample (its final output is sent)."""
-        self._inbox.append(("stop", seq))
+        self._inbox.append(StopSample(seq))
         self._wake.set()
 
     def _final_made(self, request: Request) -> None:
         """The output processor made the final output of a request with stop strings (request.final_reason)."""
-        self._inbox.append(("final", request))
+        self._inbox.append(FinalMade(request))
         self._wake.set()
 
     def _output_failed(self, request: Request, exc: Exception) -> None:
         """The output processor could not make a request's output: fail it with its one error output."""
-        self._inbox.append(("fail", (request, exc)))
+        self._inbox.append(OutputFailed(request, exc))
         self._wake.set()
 
     # ---- loop thread -----------------------------------------------------------------
@@ -393,20 +394,20 @@ class LLMEngine:
     def _drain_inbox(self) -> list:
         outputs = []
         while self._inbox:
-            kind, item = self._inbox.popleft()
-            if kind == "add":
-                try:
-                    outputs += self._admit_request(item)
-                finally:
-                    self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
-            elif kind == "stop":
-                self._stop_sample(item)
-            elif kind == "final":
-                self._count_pending_end(item)
-            elif kind == "fail":
-                outputs += self._fail_output(*item)
-            else:
-                outputs += self._abort_request(item)
+            match self._inbox.popleft():
+                case Add(request):
+                    try:
+                        outputs += self._admit_request(request)
+                    finally:
+                        self._num_drained += 1  # after the scheduler counts it: a racing reader over-counts, never under
+                case StopSample(seq):
+                    self._stop_sample(seq)
+                case FinalMade(request):
+                    self._count_pending_end(request)
+                case OutputFailed(request, error):
+                    outputs += self._fail_output(request, error)
+                case Abort(request_id):
+                    outputs += self._abort_request(request_id)
         return outputs
 
     def _stop_sample(self, seq: Sequence) -> None:
@@ -617,7 +618,7 @@ class LLMEngine:
             error = EngineShuttingDown("the model is shutting down; the request did not finish")
             outputs = [e.output for e in self._fail_held(error) if not e.request.output_ended]  # not a 2nd final
             with self._accept_lock:  # with the preloader's hand-over: each request is ended here once
-                queued = [item for kind, item in self._inbox if kind == "add"]
+                queued = [message.request for message in self._inbox if isinstance(message, Add)]
                 self._inbox.clear()
                 queued += self._loading.values()  # reads that outlived close()
                 self._loading, self._cancelled_loading = {}, set()

@@ -33,6 +33,12 @@ CHUNK = 16  # events processed between GIL hand-backs: small, so the loop never 
 MAX_DEFER_SECONDS = 0.005  # the longest a chunk waits for the loop to be quiet
 
 
+# A token event: (seq, token | None, finish reason | None, cumulative logprob, top logprobs | None). One is
+# made per running sequence a step, so it stays a plain tuple, the cheapest object Python builds
+# (decision 047); a failed request's event is an ErrorEvent instead.
+TokenEvent = tuple
+
+
 @dataclass(slots=True)
 class ErrorEvent:
     """A request's one error output, and the request (to drop anything that follows it)."""
@@ -128,10 +134,10 @@ class OutputProcessor:
         """The outputs of a list of events, in order."""
         outputs: list[RequestOutput] = []
         for event in events:
-            if type(event) is tuple:
-                self._delta(outputs, *event)
-            else:
+            if type(event) is ErrorEvent:
                 self._error(outputs, event)
+            else:
+                self._delta(outputs, *event)
         return outputs
 
     def _error(self, outputs: list[RequestOutput], event: ErrorEvent) -> None:
