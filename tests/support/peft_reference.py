@@ -57,3 +57,32 @@ def first_logits(model_dir: str, adapter_dir: str | None, prompt_ids: list[int])
     model = reference_model(model_dir, adapter_dir)
     with torch.no_grad():
         return model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+
+
+def teacher_forced_logits(model_dir: str, adapter_dir: str | None, prompt_ids: list[int],
+                          tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), V] (fp32) that predict each of `tokens` from the prompt and the tokens before it."""
+    model = reference_model(model_dir, adapter_dir)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].float()
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)]
+
+
+def greedy_with_stops(model_dir: str, adapter_dir: str | None, prompt_ids: list[int], max_new_tokens: int,
+                      stop_ids: set[int], min_new_tokens: int = 0) -> list[int]:
+    """Greedy tokens, one forward pass of the reference per step, under vLLM's stop rules: a token in stop_ids
+    ends generation (and is output); while fewer than min_new_tokens tokens are out, stop_ids' logits are -inf
+    (vLLM's min_tokens, transformers' MinNewTokensLengthLogitsProcessor)."""
+    model = reference_model(model_dir, adapter_dir)
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            if len(out) < min_new_tokens and stop_ids:
+                logits[sorted(stop_ids)] = float("-inf")
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token in stop_ids:
+                break
+    return out
