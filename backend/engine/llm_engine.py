@@ -32,6 +32,7 @@ from loraplex.models.loader import load_hf_config
 from loraplex.engine.output_processor import ErrorEvent, OutputProcessor
 from loraplex.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
 from loraplex.engine.prompt_bound import check_prompt_bytes, longest_token_bytes
+from loraplex.sched.static_batch import make_scheduler
 from loraplex.tenancy.quotas import TenantQuotas
 from loraplex.worker.sampler import make_generator
 from loraplex.sched.scheduler import Scheduler
@@ -144,8 +145,8 @@ class LLMEngine:
                  kernels.native_threads() if self.device.type == "cpu" else "no")
 
     def _new_scheduler(self) -> Scheduler:
-        return Scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,
-                         num_host_blocks=self.num_host_blocks)
+        return make_scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,
+                              num_host_blocks=self.num_host_blocks)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks > 0:

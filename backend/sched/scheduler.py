@@ -7,11 +7,9 @@ in and admit waiting ones (policy order, KV watermark, adapter slots, admission 
 ``update`` applies the runner's tokens, forks n > 1 samples after their prefill, and
 frees finished sequences' blocks before the next step admits. No tensors here.
 
-``batching="static"`` is request-level batching as a static server runs it: a batch is
-admitted only into an empty one, and it keeps its shape until its last sequence ends. A
-sequence that ends its request keeps its blocks, pin and row (a *padding* row: its final
-token's decode, rerun every step without advancing, its output dropped) until then, as
-padded rows cost a static batch on any device. ``static-shrink`` lets ended rows leave.
+The static-batching baseline the benchmarks compare against is a subclass
+(``sched/static_batch.py``) over five hooks: ``_may_admit``, ``_release_ended_batch``, ``_end_schedule``,
+``_make_room`` and ``_free_ended``; ``static_batch.make_scheduler`` picks the class for ``config.batching``.
 
 Tenants (backend/sched/fair_share.py): with ``fair_share="vtc"`` the waiting queue admits the
 backlogged tenant with the least virtual token counter; a tenant is charged its prompt at
@@ -87,9 +85,6 @@ class Scheduler:
         self.pick_victim = VICTIM_POLICIES[config.victim_policy]
         self.cap = AdmissionCap(config.max_num_seqs, config.preemption_window_steps, config.preemption_threshold)
         self.watermark_blocks = max(1, int(kv.num_blocks * config.kv_watermark))
-        self.static = config.batching != "continuous"  # admit only into an empty batch
-        self.pads = config.batching == "static"  # ended sequences keep their rows until the batch ends
-        self.padding: list[Sequence] = []  # those ended sequences (FINISHED), holding their blocks and pins
         self.prefix_query_tokens: dict[str, int] = {}  # per tenant metric label
         self.prefix_hit_tokens: dict[str, int] = {}
         self.num_preemptions = 0
@@ -145,7 +140,7 @@ class Scheduler:
         if status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
-            self._end_padded_batch()
+            self._release_ended_batch()
         elif status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             if seq.first_scheduled_time is None:
@@ -217,17 +212,16 @@ class Scheduler:
         """Plan one step: expire, run (preempting if needed), then swap in and admit unless that preempted."""
         out = SchedulerOutput(num_updates=self.num_updates)
         self.swap_space.flush()
-        self._end_padded_batch()  # a batch that ended without an update (its last sequence preempted)
+        self._release_ended_batch()  # one that ended without an update (its last sequence preempted)
         if self._deadlines:
             out.finished = self._expire()
         self._preempted_now = 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not self._preempted_now:
             budget = self._swap_in(out, budget)
-            if not self.swapped and not (self.static and self.running):
+            if not self.swapped and self._may_admit():
                 self._admit(out, budget)
-        if self.padding and self.running:
-            self._emit_padding(out)
+        self._end_schedule(out)
         self.cap.record(self._preempted_now, len(self.running))
         if self._fork_parents:
             index = {s.seq_id: i for i, s in enumerate(out.seqs)}
@@ -236,25 +230,25 @@ class Scheduler:
         out.copy_pairs = self.kv.take_copy_pairs()
         return out
 
-    def _emit_padding(self, out: SchedulerOutput) -> None:
-        """The ended sequences' rows: each its final token's decode again, into the slot it kept for it."""
-        for seq in self.padding:
-            out.seqs.append(seq)
-            out.num_new_tokens.append(1)
-            out.block_tables.append(self.kv.block_table(seq.seq_id))
-        out.num_padding = len(self.padding)
+    # ---- hooks (continuous batching; sched/static_batch.py overrides them) ---------------
+    def _release_ended_batch(self) -> None:
+        """A batch's last running sequence ended: free what it still holds (static batching's padding)."""
 
-    def _end_padded_batch(self) -> None:
-        """Release the padding once its batch has no running sequence left."""
-        if self.padding and not self.running:
-            self._release_padding()
+    def _may_admit(self) -> bool:
+        """Whether waiting sequences may join the batch this step."""
+        return True
 
-    def _release_padding(self) -> None:
-        """Free the padding rows' blocks and pins: their batch ended, or a running sequence needs the blocks."""
-        for seq in self.padding:
-            self.kv.free(seq.seq_id)
-            self._release_adapter_of(seq)
-        self.padding = []
+    def _end_schedule(self, out: SchedulerOutput) -> None:
+        """After the step's sequences are planned: add what else it runs."""
+
+    def _make_room(self) -> bool:
+        """Free blocks without preempting anyone; True if some were freed."""
+        return False
+
+    def _free_ended(self, seq: Sequence) -> None:
+        """A sequence ended: free its blocks and its adapter pin."""
+        self.kv.free(seq.seq_id)
+        self._release_adapter_of(seq)
 
     def _expire(self) -> list[Sequence]:
         now = self.clock()
@@ -296,8 +290,7 @@ class Scheduler:
     def _run(self, out: SchedulerOutput, seq: Sequence, n: int, budget: int) -> int:
         """Blocks for the seq's n new tokens, preempting victims while short, then emit it; returns the budget left."""
         while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
-            if self.padding:  # a static batch's padding gives way before any sequence is preempted
-                self._release_padding()
+            if self._make_room():
                 continue
             victim = self.pick_victim(self.running)
             budget += self._preempt(victim, out)
@@ -553,7 +546,7 @@ class Scheduler:
                 seq.error = exc
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
-            self._end_padded_batch()
+            self._release_ended_batch()
         self.num_updates += 1
         return changed
 
@@ -603,11 +596,7 @@ class Scheduler:
         reason = self._finish_reason(seq, token)
         if reason is None:
             return False
-        if self.pads and self.kv.allocate(seq.seq_id, seq.num_computed_tokens, 1):
-            self.padding.append(seq)  # a static batch keeps its row (a slot for its final token) until it ends
-        else:
-            self.kv.free(seq.seq_id)
-            self._release_adapter_of(seq)
+        self._free_ended(seq)
         self._finish([seq], reason)
         return True
 

@@ -23,7 +23,7 @@ from loraplex.config import EngineConfig
 from loraplex.kv_cache import KVCacheManager, namespace_key
 from loraplex.worker.model_runner import RunnerOutput
 from loraplex.engine.request import Request, SamplingParams, Sequence, SeqStatus
-from loraplex.sched.scheduler import Scheduler
+from loraplex.sched.static_batch import make_scheduler
 from loraplex.tenancy.tenants import Tenant
 
 EOS = 2
@@ -136,8 +136,8 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.adapters = FakeAdapters(adapter_slots)
         self.now = 0.0
-        self.sched = Scheduler(self.config, self.kv, self.adapters, {EOS}, 100_000,
-                               num_host_blocks=num_host_blocks, clock=lambda: self.now)
+        self.sched = make_scheduler(self.config, self.kv, self.adapters, {EOS}, 100_000,
+                                    num_host_blocks=num_host_blocks, clock=lambda: self.now)
         self.runner = FakeRunner(num_blocks, block_size, num_host_blocks)
         self._ids = itertools.count()
         self._tokens = itertools.count(1000)
