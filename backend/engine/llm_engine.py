@@ -112,7 +112,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.scheduler = self._new_scheduler()
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks,
+                                  self.eos_token_ids)
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,

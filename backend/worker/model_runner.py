@@ -42,8 +42,9 @@ class ModelRunner:
     """Owns the model, the KV tensor, the host swap tensor and the LoRA stacks; never decides policy."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, lora_slots,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, eos_token_ids=()):
         self.model, self.kv_cache, self.block_size, self.lora_slots = model, kv_cache, block_size, lora_slots
+        self.eos_token_ids = sorted(eos_token_ids)  # held back, with stop_token_ids, until a row's min_tokens
         self.device = model.device
         self._on_cpu = torch.device(self.device).type == "cpu"  # then a step array is used in place, not copied
         # on a GPU, rows with NaN or infinite logits are found without a sync of their own (_zero_non_finite)
@@ -125,7 +126,9 @@ class ModelRunner:
                     logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
                     greedy = None  # the rows zeroed: their argmax again
             sampling = sampling or _sampling_rows(seqs)
-            params, generators, random_rows, wants_logprobs = sampling
+            params, generators, random_rows, wants_logprobs, min_rows = sampling
+            if min_rows and _hold_stops(logits, min_rows, self.eos_token_ids):
+                greedy = None  # a held-back row's argmax again
             tokens = sample_tokens(logits, params, generators, random_rows, greedy)
             if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
@@ -286,9 +289,10 @@ def _segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return seg_starts, slots[np.concatenate(([0], change))]
 
 
-def _sampling_rows(seqs) -> tuple[list, list, list[int], bool]:
-    """In one pass: each row's params and generator, the rows not sampled greedily, whether any reads logprobs."""
-    params, generators, random_rows, wants_logprobs = [], [], [], False
+def _sampling_rows(seqs) -> tuple[list, list, list[int], bool, list]:
+    """In one pass: each row's params and generator, the rows not sampled greedily, whether any reads logprobs,
+    and the (row, seq) of requests with a min_tokens (their stop tokens may be held back)."""
+    params, generators, random_rows, wants_logprobs, min_rows = [], [], [], False, []
     add_params, add_generator = params.append, generators.append
     for row, seq in enumerate(seqs):
         request = seq.request
@@ -299,7 +303,24 @@ def _sampling_rows(seqs) -> tuple[list, list, list[int], bool]:
             random_rows.append(row)
         if request.wants_logprobs:
             wants_logprobs = True
-    return params, generators, random_rows, wants_logprobs
+        if p.min_tokens:
+            min_rows.append((row, seq))
+    return params, generators, random_rows, wants_logprobs, min_rows
+
+
+def _hold_stops(logits: torch.Tensor, min_rows: list, eos_token_ids: list[int]) -> bool:
+    """A row below its min_tokens may not sample EOS (unless ignore_eos) nor a stop token id: their logits
+    become -inf, after the finiteness checks (as vLLM's min-tokens processor and HF's min_new_tokens do).
+    True if any row was held back."""
+    held = False
+    for row, seq in min_rows:
+        p = seq.request.params
+        if seq.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
+            if ids:
+                logits[row, ids] = float("-inf")
+                held = True
+    return held
 
 
 def _inference_mode():

@@ -187,9 +187,6 @@ def test_min_tokens_past_the_stop_never_ends_generation_early(engine, paths):
         assert tokens[:at] == want[:at], name
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: min_tokens does not mask EOS / stop_token_ids (vLLM's "
-                   "MinTokensLogitsProcessor does); the engine samples a stop id before min_tokens, outputs it as "
-                   "an ordinary token and goes on, and a stop id as the min_tokens-th token ends generation")
 @pytest.mark.parametrize("extra", [1, 3], ids=["min-at-stop+1", "min-at-stop+3"])
 def test_min_tokens_masks_stop_ids_like_peft(engine, paths, extra):
     """vLLM: while fewer than min_tokens tokens are out, EOS and stop_token_ids cannot be sampled."""
