@@ -67,8 +67,18 @@ def chat_prompt(tokenizer):
     return text[len(tokenizer.bos_token):]
 
 
+def peft_greedy_text(demo, tokenizer, prompt_ids: list[int], lora: str | None, max_tokens: int) -> str:
+    """The oracle: transformers + peft's greedy continuation of these prompt tokens (EOS ignored), as text."""
+    from peft_reference import greedy_tokens
+
+    adapter = str(demo[lora]) if lora else None
+    tokens = greedy_tokens(str(demo["model"]), adapter, prompt_ids, max_tokens, ignore_eos=True)
+    assert len(tokens) == max_tokens
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 def native(server, prompt: str, lora: str | None, tenant: str = "acme", **params):
-    """lora_llm's own greedy output over gRPC (the oracle)."""
+    """lora_llm's own output over gRPC (what the gateway forwards to)."""
     params = {"temperature": 0, **params, **({"lora_name": lora} if lora else {})}
     result = stream_generate(server.grpc_url, prompt, params, headers={"x-api-key": KEYS[tenant]},
                              return_num_input_tokens=True, return_num_output_tokens=True,
@@ -95,19 +105,20 @@ def test_models_lists_the_base_and_the_callers_adapters_with_parent(triton_serve
 
 # ---- completions -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lora", ADAPTERS)
-def test_completions_equal_native_greedy_streamed_and_not(triton_server, gateway, tokenizer, lora):
+def test_completions_equal_peft_greedy_streamed_and_not(triton_server, gateway, tokenizer, demo, lora):
     want = native(triton_server, PROMPT, lora, max_tokens=12, ignore_eos=True)
     c = client(gateway)
     got = c.completions.create(model=model_id(lora), prompt=PROMPT, max_tokens=12, temperature=0,
                                extra_body={"ignore_eos": True})
-    assert got.choices[0].text == want.text and want.text
+    oracle = peft_greedy_text(demo, tokenizer, tokenizer(PROMPT).input_ids, lora, 12)
+    assert got.choices[0].text == oracle == want.text and oracle
     assert got.choices[0].finish_reason == "length" and got.object == "text_completion"
     assert got.usage.prompt_tokens == len(tokenizer(PROMPT).input_ids) == want.responses[-1]["num_input_tokens"][0]
     assert got.usage.completion_tokens == 12 and got.usage.total_tokens == got.usage.prompt_tokens + 12
     chunks = list(c.completions.create(model=model_id(lora), prompt=PROMPT, max_tokens=12, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True}))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == oracle
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens
@@ -141,12 +152,13 @@ def test_completions_batch_n_seed_stop_and_logprobs(triton_server, gateway):
 
 # ---- chat ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lora", ADAPTERS)
-def test_chat_equals_native_greedy_on_the_rendered_template(triton_server, gateway, tokenizer, chat_prompt, lora):
-    want = native(triton_server, chat_prompt, lora, max_tokens=10, ignore_eos=True)
+def test_chat_equals_peft_greedy_on_the_rendered_template(triton_server, gateway, tokenizer, chat_prompt, demo,
+                                                          lora):
     c = client(gateway)
     got = c.chat.completions.create(model=model_id(lora), messages=MESSAGES, max_completion_tokens=10,
                                     temperature=0, extra_body={"ignore_eos": True})
-    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    oracle = peft_greedy_text(demo, tokenizer, tokenizer(chat_prompt).input_ids, lora, 10)  # the template, one BOS
+    assert got.choices[0].message.content == oracle and got.choices[0].message.role == "assistant"
     assert got.object == "chat.completion" and got.choices[0].finish_reason == "length"
     ids = tokenizer(chat_prompt).input_ids
     assert ids[:2] == [tokenizer.bos_token_id, ids[1]] and ids[1] != tokenizer.bos_token_id  # one BOS
@@ -155,7 +167,7 @@ def test_chat_equals_native_greedy_on_the_rendered_template(triton_server, gatew
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == oracle
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 10
 
 
