@@ -13,7 +13,9 @@ clipped to [1, --max-tokens]); a share (--base-share) uses the base model.
 Checked per stream: no error, exactly one FINAL, num_output_tokens and the streamed token
 ids both equal max_tokens, the text deltas concatenate to the decoded ids, and the ids
 agree with every other stream of the same prompt and adapter (greedy: one is a prefix of
-the other). After the drain: no KV block used, no adapter pin, no running or waiting
+the other); after each wave, the longest stream of each (prompt, adapter) equals
+transformers + peft's greedy tokens on the same weights (unless --no-peft), so every stream
+is checked against the oracle. After the drain: no KV block used, no adapter pin, no running or waiting
 sequence, the Python stub's thread count back to its idle value (measured after a
 warm-up). The stub's VmRSS is sampled through the run: its peak in the second half may
 exceed the first half's peak by less than --rss-growth (5%). Prints the figures; exits 1
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rss-growth", type=float, default=0.05, help="largest second-half RSS growth (default 0.05)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--wave-timeout", type=float, default=3600.0, help="seconds a wave may take (default 3600)")
+    ap.add_argument("--no-peft", action="store_true",
+                    help="skip the check of each (prompt, adapter)'s longest stream against transformers + peft")
     return ap.parse_args(argv)
 
 
@@ -126,12 +130,27 @@ def make_wave(args, adapter_names: list[str], wave: int) -> list[StreamJob]:
     return jobs
 
 
+def peft_oracle(model_dir, adapter_dirs: dict, tokenizer):
+    """(prompt, adapter name | None, n) -> transformers + peft's first n greedy token ids (EOS ignored)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from peft_reference import greedy_tokens
+
+    def oracle(prompt: str, adapter: str | None, n: int) -> list[int]:
+        path = str(adapter_dirs[adapter]) if adapter else None
+        return greedy_tokens(str(model_dir), path, tokenizer(prompt).input_ids, n, ignore_eos=True)
+
+    return oracle
+
+
 @dataclass
 class Verifier:
-    """Checks each stream against its request and against every earlier stream of the same prompt and adapter."""
+    """Checks each stream against its request and against every earlier stream of the same prompt and adapter;
+    with an oracle, each (prompt, adapter)'s longest stream against it."""
 
     tokenizer: object
+    oracle: object = None  # peft_oracle's callable, or None
     longest: dict = field(default_factory=dict)  # (prompt, adapter) -> longest token ids seen
+    verified: dict = field(default_factory=dict)  # (prompt, adapter) -> how many of those the oracle confirmed
 
     def check(self, jobs: list[StreamJob], outcomes: list[StreamOutcome]) -> list[str]:
         """Violations of the wave (empty when every stream is exact)."""
@@ -140,6 +159,21 @@ class Verifier:
             problem = self._problem(job, out)
             if problem:
                 violations.append(f"stream {i} ({job.tenant}, {job.params.get('lora_name', 'base')}): {problem}")
+        if self.oracle is not None:
+            violations += self._against_oracle()
+        return violations
+
+    def _against_oracle(self) -> list[str]:
+        """Each (prompt, adapter)'s longest stream against the oracle (the others are its prefixes)."""
+        violations = []
+        for (prompt, adapter), ids in self.longest.items():
+            if self.verified.get((prompt, adapter), 0) >= len(ids):
+                continue
+            want = self.oracle(prompt, adapter, len(ids))
+            if want != ids:
+                violations.append(f"({prompt!r}, {adapter or 'base'}): token ids differ from transformers + peft "
+                                  f"at {first_difference(want, ids)}")
+            self.verified[(prompt, adapter)] = len(ids)
         return violations
 
     def _problem(self, job: StreamJob, out: StreamOutcome) -> str | None:
@@ -228,6 +262,7 @@ class Report:
     threads_peak: int = 0
     threads_after: int = 0
     preemptions: float = 0.0
+    peft_checked: int = 0  # (prompt, adapter) pairs whose longest stream equalled transformers + peft
     violations: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -235,7 +270,8 @@ class Report:
         growth = self.rss_second_kib / self.rss_first_kib - 1 if self.rss_first_kib else 0.0
         shown = self.violations[:20] + ([f"... {len(self.violations) - 20} more"] if len(self.violations) > 20 else [])
         return [
-            f"waves {self.waves}, streams {self.streams}, tokens {self.tokens}, errors {self.errors}",
+            f"waves {self.waves}, streams {self.streams}, tokens {self.tokens}, errors {self.errors}, "
+            f"(prompt, adapter) pairs checked against peft {self.peft_checked}",
             f"load {self.load_seconds:.1f} s, {self.tokens / max(self.load_seconds, 1e-9):.0f} tok/s, "
             f"{self.streams / max(self.load_seconds, 1e-9):.1f} streams/s, preemptions {self.preemptions:.0f}",
             f"stub RSS peak first half {self.rss_first_kib / 1024:.1f} MiB, second half "
@@ -269,10 +305,11 @@ def drain_checks(server, monitor: StubMonitor, report: Report) -> None:
         report.violations.append(f"stub threads after the drain {threads}, idle {report.threads_idle}")
 
 
-def run_soak(server, args, adapter_names: list[str], tokenizer, log=print) -> Report:
-    """Waves of streams against a running server until the duration is over, then the drain checks."""
+def run_soak(server, args, adapter_names: list[str], tokenizer, log=print, oracle=None) -> Report:
+    """Waves of streams against a running server until the duration is over, then the drain checks
+    (``oracle``: peft_oracle's callable, checking each (prompt, adapter)'s longest stream)."""
     report = Report()
-    verifier = Verifier(tokenizer)
+    verifier = Verifier(tokenizer, oracle)
     with StreamPool(server.grpc_url, args.client_procs, args.wave_timeout) as pool:
         warm_up(pool, adapter_names)
         wait_for_metric(server.metrics_url, "loraplex_kv_cache_blocks", 0.0, timeout=60, state="used")
@@ -293,6 +330,7 @@ def run_soak(server, args, adapter_names: list[str], tokenizer, log=print) -> Re
             report.tokens += tokens
             report.errors += sum(o.error is not None for o in outcomes)
             report.violations += [f"wave {report.waves}: {v}" for v in violations]
+            report.peft_checked = len(verifier.verified)
             log(f"wave {report.waves}: {len(jobs)} streams, {tokens} tokens in {wall:.1f} s "
                 f"({tokens / wall:.0f} tok/s), {len(violations)} violations", flush=True)
         report.load_seconds = time.monotonic() - start
@@ -328,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     with TritonServer(project_root() / "model_repository", env=env, log_path=run_dir / "tritonserver.log",
                       ready_timeout=300) as server:
         print(f"server pid {server.pid}, gRPC {server.grpc_url}, log {server.log_path}", flush=True)
-        report = run_soak(server, args, [p.name for p in adapters], AutoTokenizer.from_pretrained(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        oracle = None if args.no_peft else peft_oracle(model_dir, {p.name: p for p in adapters}, tokenizer)
+        report = run_soak(server, args, [p.name for p in adapters], tokenizer, oracle=oracle)
     for line in report.lines():
         print(line)
     print("PASS" if not report.violations else "FAIL", flush=True)
