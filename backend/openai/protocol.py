@@ -19,6 +19,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 DEFAULT_LIMITS = Limits()
 
 
+def _bounded_list(value: Any, bound: int, what: str) -> Any:
+    """The value unchanged, unless it is a list longer than bound (refused, naming what it counts)."""
+    if isinstance(value, list) and len(value) > bound:
+        raise _refused(f"{len(value)} {what}; at most {bound} per request")
+    return value
+
+
 def _limits(info: ValidationInfo) -> Limits:
     """The limits ``model_validate(..., context=limits)`` was given (the defaults otherwise)."""
     return info.context if isinstance(info.context, Limits) else DEFAULT_LIMITS
@@ -107,10 +114,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _bounded_prompts(cls, value: Any, info: ValidationInfo) -> Any:
         """A list of prompts is counted before its items are validated."""
-        bound = _limits(info).max_choices
-        if isinstance(value, list) and len(value) > bound:
-            raise _refused(f"{len(value)} prompts; at most {bound} per request")
-        return value
+        return _bounded_list(value, _limits(info).max_choices, "prompts")
 
     def prompts(self) -> list[str]:
         """The text prompts (a batch is a list of strings); token-id prompts are refused."""
@@ -181,10 +185,7 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _bounded_messages(cls, value: Any, info: ValidationInfo) -> Any:
         """The messages are counted before each is validated."""
-        bound = _limits(info).max_messages
-        if isinstance(value, list) and len(value) > bound:
-            raise _refused(f"{len(value)} messages; at most {bound} per request")
-        return value
+        return _bounded_list(value, _limits(info).max_messages, "messages")
 
     @field_validator("chat_template", mode="before")
     @classmethod

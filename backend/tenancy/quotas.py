@@ -116,11 +116,7 @@ class TenantQuotas:
             if taken <= 0:
                 return
             request.reserved_tokens -= taken
-            left = self._outstanding[request.tenant] - taken
-            if left:
-                self._outstanding[request.tenant] = left
-            else:
-                del self._outstanding[request.tenant]
+            self._unreserve(request.tenant, taken)
 
     def ended(self, request: Request) -> None:
         """The request ended, however: free its queue place and give back the tokens it did not use."""
@@ -129,11 +125,15 @@ class TenantQuotas:
             return
         with self._lock:
             unused, request.reserved_tokens = request.reserved_tokens, 0
-            left = self._outstanding[request.tenant] - unused
-            if left:
-                self._outstanding[request.tenant] = left
-            else:
-                del self._outstanding[request.tenant]
+            self._unreserve(request.tenant, unused)
+
+    def _unreserve(self, tenant: str, tokens: int) -> None:
+        """Take reserved tokens off the tenant's outstanding count (the caller holds the lock; no entry at 0)."""
+        left = self._outstanding[tenant] - tokens
+        if left:
+            self._outstanding[tenant] = left
+        else:
+            del self._outstanding[tenant]
 
     def queued(self, tenant: str) -> int:
         """Requests of this tenant accepted and not yet started."""
