@@ -117,7 +117,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,
-                                                         config.block_size, self.lora_slots)
+                                                         config.block_size, self.runner.lora)
         self.on_outputs = on_outputs
         self.processor = OutputProcessor(self.tokenizer, self._stop_sequence, self._output_failed, self._final_made)
         self.runner.computing = self.processor.loop_quiet  # the output thread's turn for the GIL: the forward

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from loraplex import kernels
 from loraplex.kernels import cpu_native
+from loraplex.lora.backends.base import LoraPlan
 from loraplex.lora.shapes import MODULES
 from loraplex.models.loader import load_hf_config, load_safetensors
-from loraplex.models.lora_tiles import SlotTiles
 from loraplex.models.rope import RotaryEmbedding
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
@@ -31,51 +31,6 @@ class AttentionBatch:
     context_lens: torch.Tensor  # int32 [B]: cached + new tokens
     cu_query_lens: torch.Tensor  # int32 [B+1]
     is_decode: bool  # every sequence has exactly one new token
-
-
-@dataclass(slots=True)
-class LoraBatch:
-    """Which adapter slot each token uses (-1 = base model): rows for decode, segments for prefill.
-
-    A decode step with per-row slots and no torch-path plan (dense_runs None) runs in one native call
-    where the model has one (LlamaModel.native_decode), its LoRA deltas added inside.
-    """
-
-    slots: object  # LoraSlots (stacks per layer and module)
-    token_slots: torch.Tensor | None  # int32 [T]; used by decode, and the torch path's rows left (BGMV)
-    seg_starts: torch.Tensor | None  # int32 [G+1]; used with prefill (SGMV)
-    seg_slots: torch.Tensor | None  # int32 [G]
-    is_decode: bool
-    # The torch path's plan (else None): (first row, end row, slot) of each run of rows it adds by two dense
-    # matmuls (one adapter for all rows, prefill chunks), and tiles for the other rows (token_slots: the rows
-    # left, when tiles would waste too much)
-    dense_runs: list[tuple[int, int, int]] | None = None
-    tiles: SlotTiles | None = None
-
-
-def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer_idx: int, module: str) -> None:
-    """y += each token's adapter delta for module, in place."""
-    s = lora.slots
-    a, b = s.a[layer_idx][module], s.b[layer_idx][module]
-    if lora.dense_runs is not None:  # the torch path
-        for start, end, slot in lora.dense_runs:  # peft's own sum per run of rows, scale * B(A(x))
-            target = s.targets[slot].get((layer_idx, module))
-            if target is not None:
-                rank, scale = target
-                rows = slice(start, end)
-                a_r, b_r = a[slot, :rank].to(x.dtype), b[slot, :, :rank].to(x.dtype)  # fp16 stacks: lora_dtype
-                y[rows].add_(F.linear(F.linear(x[rows], a_r), b_r), alpha=scale)
-        if lora.tiles is not None:
-            lora.tiles.add(y, x, s.a_t[layer_idx][module], s.b_t[layer_idx][module], s.tile_scales[layer_idx][module])
-        if lora.token_slots is None:
-            return
-    ranks, scales = s.ranks[layer_idx][module], s.scales[layer_idx][module]
-    if lora.is_decode or lora.seg_starts is None:
-        v = kernels.lora_shrink_bgmv(x, a, lora.token_slots, ranks)
-        kernels.lora_expand_bgmv(y, v, b, lora.token_slots, ranks, scales)
-    else:
-        v = kernels.lora_shrink_sgmv(x, a, lora.seg_starts, lora.seg_slots, ranks)
-        kernels.lora_expand_sgmv(y, v, b, lora.seg_starts, lora.seg_slots, ranks, scales)
 
 
 def _fused_bias(layer: dict, parts: tuple[str, ...]) -> torch.Tensor | None:
@@ -180,17 +135,17 @@ class LlamaModel:
         layer["post_norm"] = w.pop(p + "post_attention_layernorm.weight")
         return layer
 
-    def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+    def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraPlan | None) -> torch.Tensor:
         if self.packed is not None:
             y = kernels.packed_linear(x, self.packed[layer_idx][module])
         else:
             layer = self.layers[layer_idx]
             y = F.linear(x, layer[module], layer.get(module + ".bias"))
         if lora is not None:
-            _add_lora(y, x, lora, layer_idx, module)
+            lora.apply(y, x, layer_idx, module)
         return y
 
-    def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraBatch | None) -> tuple[torch.Tensor, ...]:
+    def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraPlan | None) -> tuple[torch.Tensor, ...]:
         """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
         modules = FUSED[fused]
         if self.packed is None:
@@ -198,17 +153,19 @@ class LlamaModel:
         ys = kernels.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         if lora is not None:
             for y, m in zip(ys, modules):
-                _add_lora(y, x, lora, layer_idx, m)
+                lora.apply(y, x, layer_idx, m)
         return ys
 
-    def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraBatch | None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache.
+    def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraPlan | None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache. lora (a plan of
+        loraplex.lora.backends, None: no adapter) adds each projection's deltas; a one-call plan's go inside the
+        native decode forward.
 
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
         ops, h = self.ops, self.embed[input_ids]
-        if attn.is_decode and self.native_decode is not None and (lora is None or lora.dense_runs is None):
-            slots, token_slots = (None, None) if lora is None else (lora.slots, lora.token_slots)
+        if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call):
+            slots, token_slots = (None, None) if lora is None else (lora.backend.slots, lora.token_slots)
             return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,
                                       kv_cache, slots, token_slots)
         t, delta = h.shape[0], None
@@ -252,4 +209,4 @@ class LlamaModel:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
 
-__all__ = ["LlamaModel", "AttentionBatch", "LoraBatch", "MODULES"]
+__all__ = ["LlamaModel", "AttentionBatch", "MODULES"]

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from loraplex.models.llama import AttentionBatch, LoraBatch
+from loraplex.models.llama import AttentionBatch
 
 log = logging.getLogger("loraplex.graphs")
 
@@ -52,8 +52,9 @@ def cuda_graph_capture(pool=None) -> Callable:
 class DecodeGraphs:
     """The captured decode forwards of one model, KV cache and LoRA stacks, and their static inputs."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], max_blocks_per_seq: int, lora_slots=None,
+    def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], max_blocks_per_seq: int, lora=None,
                  capture: Callable | None = None):
+        """lora: the LoRA backend (loraplex.lora.backends) whose per-row plans the adapter graphs replay."""
         self.sizes = sorted(sizes)
         rows, device = self.sizes[-1], model.device
         pinned = torch.device(device).type == "cuda"
@@ -72,16 +73,16 @@ class DecodeGraphs:
         self.slot_mapping, self._slot_mapping = buffer(-1, rows, dtype=torch.int64)  # -1: no K/V written
         self.block_tables, self._block_tables = buffer(0, rows, max(max_blocks_per_seq, 1), dtype=torch.int32)
         self.context_lens, self._context_lens = buffer(1, rows, dtype=torch.int32)
-        self.token_slots, self._token_slots = buffer(-1, rows, dtype=torch.int32) if lora_slots is not None \
+        self.token_slots, self._token_slots = buffer(-1, rows, dtype=torch.int32) if lora is not None \
             else (None, None)
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.lora_slots = lora_slots
+        self.lora = lora
         self.replays = 0
         capture = capture or cuda_graph_capture()
         # (size, with adapters) -> (replay, output); a batch without adapters skips the LoRA kernels altogether
         self.graphs: dict[tuple[int, bool], tuple[Callable, torch.Tensor]] = {}
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
-            for adapters in (False, True) if lora_slots is not None else (False,):
+            for adapters in (False, True) if lora is not None else (False,):
                 self.graphs[size, adapters] = capture(self._forward_of(model, kv_cache, size, adapters))
         self._check_replay(model, kv_cache)
         log.info("captured decode graphs for batch sizes %s", self.sizes)
@@ -112,7 +113,7 @@ class DecodeGraphs:
     def _forward_of(self, model, kv_cache: torch.Tensor, size: int, adapters: bool) -> Callable[[], torch.Tensor]:
         attn = AttentionBatch(self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
                               self.context_lens[:size], self.cu[:size + 1], True)
-        lora = LoraBatch(self.lora_slots, self.token_slots[:size], None, None, True) if adapters else None
+        lora = self.lora.rows(self.token_slots[:size]) if adapters else None
         return lambda: model.forward(self.input_ids[:size], attn, kv_cache, lora)
 
     def size_for(self, num_seqs: int) -> int | None:
@@ -152,11 +153,11 @@ class DecodeGraphs:
 
 
 def build_decode_graphs(model, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,
-                        lora_slots=None) -> DecodeGraphs | None:
+                        lora=None) -> DecodeGraphs | None:
     """The engine's decode graphs on CUDA; None (eager decode, with a warning) if capture fails."""
     try:
         return DecodeGraphs(model, kv_cache, capture_sizes(max_num_seqs), -(-max_model_len // block_size),
-                            lora_slots)
+                            lora)
     except Exception:  # eager decode is slower, never wrong
         log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
         if torch.cuda.is_available():

@@ -11,15 +11,11 @@ import torch
 
 from loraplex.exceptions import NonFiniteLogits
 from loraplex import kernels
-from loraplex.models.llama import AttentionBatch, LlamaModel, LoraBatch
-from loraplex.models.lora_tiles import SlotTiles
+from loraplex.lora.backends import LoraPlan, lora_backend
+from loraplex.models.llama import AttentionBatch, LlamaModel
 from loraplex.worker.sampler import sample_tokens, token_logprobs
 from loraplex.worker.step_arrays import RepeatedDecode
 
-
-# On the torch path a run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two
-# dense matmuls; shorter runs (decode rows of many adapters) go into slot tiles.
-DENSE_LORA_MIN_ROWS = 8
 
 # A step with prefill runs in the model's one-call decode forward, every token a query row of its own against
 # its sequence's context (the rows write their K/V before any row attends), while its prompt rows attend to at
@@ -39,7 +35,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Owns the model, the KV tensor, the host swap tensor and the LoRA stacks; never decides policy."""
+    """Owns the model, the KV tensor, the host swap tensor and the LoRA stacks; never decides policy. Each step's
+    LoRA plan comes from the stacks' backend (loraplex.lora.backends), which alone decides how deltas are computed."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, lora_slots,
                  num_host_blocks: int = 0, eos_token_ids=()):
@@ -52,12 +49,9 @@ class ModelRunner:
         # CPU: logits written into one buffer step after step; a fresh one over glibc's largest mmap threshold
         # (32 MB) is mapped and page-faulted anew each step, so the buffer is reused (figures: docs/benchmarks.md)
         self._logits_buffer = torch.empty(0, model.vocab_size)
-        # the torch path (fp32) adds LoRA by dense runs and slot tiles (_torch_lora_batch), not the reference's gathers
-        self._torch_lora = not kernels.uses_kernels(torch.device(self.device)) and model.dtype == torch.float32
-        # the model's one-call decode forward adds these LoRA stacks' deltas itself (decided once: both are fixed)
-        native = model.native_decode
-        self._native_lora = native is not None and lora_slots is not None and native.serves_lora(lora_slots)
-        self._rows_form = native is not None and (lora_slots is None or self._native_lora)
+        self.lora = None if lora_slots is None else lora_backend(model, lora_slots, self._tensor)
+        # a step with prefill may run in the one-call decode forward when that call adds its LoRA deltas too
+        self._rows_form = model.native_decode is not None and (self.lora is None or self.lora.one_call)
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
         self._inputs = RepeatedDecode(block_size)  # a decode batch that repeats: its inputs and plans kept
         self.graphs = None  # DecodeGraphs (CUDA): decode steps replayed from captured graphs
@@ -206,44 +200,10 @@ class ModelRunner:
             is_decode=True,
         )
 
-    def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraBatch | None:
-        """Per-row slots for a decode step (one token per sequence) or a step in the decode form, segments for a
-        step with prefill; on the torch path, dense runs for long runs of one adapter and slot tiles for the
-        other rows."""
-        slots = None if self.lora_slots is None else _adapter_slots(batch.seqs)
-        if slots is None:
-            return None
-        if (is_decode or rows_form) and self._native_lora:  # one native call adds each row's delta
-            row_slots = slots if is_decode else np.repeat(slots, np.diff(cu))
-            return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, True)
-        if self._torch_lora:
-            return self._torch_lora_batch(slots, cu, is_decode)
-        if is_decode:
-            return LoraBatch(self.lora_slots, self._tensor(slots), None, None, True)
-        seg_starts, seg_slots = _segments(slots, cu)
-        return LoraBatch(self.lora_slots, None, self._tensor(seg_starts), self._tensor(seg_slots), False)
-
-    def _torch_lora_batch(self, slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> LoraBatch:
-        """Runs of DENSE_LORA_MIN_ROWS rows or more on one adapter (the whole batch, prefill chunks) by two
-        matmuls each, the other rows by slot tiles; per-row slots for those when tiles would waste too much.
-        A decode step is one dense run when every row has one adapter, else all tiles (the common case, kept cheap)."""
-        if is_decode:
-            if slots[0] >= 0 and (slots == slots[0]).all():
-                return LoraBatch(self.lora_slots, None, None, None, True, [(0, len(slots), int(slots[0]))])
-            runs, row_slots = [], slots
-        else:
-            seg_starts, seg_slots = _segments(slots, cu)
-            lengths = np.diff(seg_starts)
-            dense = (seg_slots >= 0) & ((lengths >= DENSE_LORA_MIN_ROWS) | (len(seg_slots) == 1))
-            runs = [(int(seg_starts[g]), int(seg_starts[g + 1]), int(seg_slots[g])) for g in np.flatnonzero(dense)]
-            if not ((seg_slots >= 0) & ~dense).any():
-                return LoraBatch(self.lora_slots, None, None, None, False, runs)
-            row_slots = np.repeat(np.where(dense, -1, seg_slots), lengths)  # -1: base or dense
-        rows = np.flatnonzero(row_slots >= 0)
-        tiles = SlotTiles.plan(rows, row_slots[rows], self.lora_slots.slot_ranks, self._tensor)
-        if tiles is None:  # the rows left go through the per-row gather (BGMV)
-            return LoraBatch(self.lora_slots, self._tensor(row_slots), None, None, is_decode, runs)
-        return LoraBatch(self.lora_slots, None, None, None, is_decode, runs, tiles)
+    def _lora_batch(self, batch, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraPlan | None:
+        """The step's LoRA plan from its backend; None when no sequence has an adapter."""
+        slots = None if self.lora is None else _adapter_slots(batch.seqs)
+        return None if slots is None else self.lora.plan(slots, cu, is_decode, rows_form)
 
     def _tensor(self, values) -> torch.Tensor:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""
@@ -280,13 +240,6 @@ def _prompt_rows_fit(step) -> bool:
     prompt_rows = np.repeat(counts > 1, counts)
     rows = int(np.count_nonzero(prompt_rows))
     return int(step.positions[prompt_rows].sum()) + rows <= ROWS_FORM_MAX_MEAN_CONTEXT * rows
-
-
-def _segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row segments of one adapter (int32 starts [G+1], slots [G]): neighbouring sequences that share one merge."""
-    change = np.flatnonzero(slots[1:] != slots[:-1]) + 1
-    seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
-    return seg_starts, slots[np.concatenate(([0], change))]
 
 
 def _sampling_rows(seqs) -> tuple[list, list, list[int], bool, list]:

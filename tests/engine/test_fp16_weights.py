@@ -176,7 +176,7 @@ def test_native_decode_forward_adds_each_rows_adapter_as_the_torch_path_does(lor
     import numpy as np
     import torch
 
-    from loraplex.models.llama import LoraBatch
+    from loraplex.lora.backends import NativeRows, TorchLoraBackend
 
     family = lora_family(arch)
     engine = make_engine(family, weight_dtype=weight_dtype)
@@ -187,8 +187,9 @@ def test_native_decode_forward_adds_each_rows_adapter_as_the_torch_path_does(lor
     engine.generate([engine.make_request(n, "Hi", SamplingParams(max_tokens=1, lora_name=n)) for n in names])
     slots = np.array([engine.adapters.slot_of(names[0]), -1, engine.adapters.slot_of(names[1])], np.int32)
     ids, attn, kv = _decode_step(model, 4)
-    one_call = LoraBatch(runner.lora_slots, torch.from_numpy(slots), None, None, True)
-    tiles = runner._torch_lora_batch(slots, np.arange(4), True)
+    one_call = runner.lora.plan(slots, np.arange(4), True)
+    assert isinstance(one_call, NativeRows)
+    tiles = TorchLoraBackend(runner.lora_slots, torch.from_numpy).plan(slots, np.arange(4), True)
     assert tiles.tiles is not None
     (fused, fused_kv), (per_op, per_op_kv) = _one_call_and_per_op(model, ids, attn, kv, one_call, tiles)
     (base, _), _ = _one_call_and_per_op(model, ids, attn, kv)
@@ -197,7 +198,6 @@ def test_native_decode_forward_adds_each_rows_adapter_as_the_torch_path_does(lor
     assert torch.equal(fused[1], base[1])  # the base model's row gets nothing
     for row in (0, 2):  # and the adapters' rows moved
         assert (fused[row] - base[row]).abs().max() > 1e-3
-    bad = LoraBatch(runner.lora_slots, torch.tensor([0, runner.lora_slots.max_loras, -1], dtype=torch.int32), None,
-                    None, True)
+    bad = runner.lora.rows(torch.tensor([0, runner.lora_slots.max_loras, -1], dtype=torch.int32))
     with pytest.raises(IndexError, match="adapter slot"):
         model.forward(ids, attn, kv.clone(), bad)

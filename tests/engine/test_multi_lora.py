@@ -21,8 +21,9 @@ import torch
 import peft_reference as ref
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.models.llama import AttentionBatch, LoraBatch
-from loraplex.models.lora_tiles import SlotTiles
+from loraplex.lora.backends import KernelLoraBackend, LoraPlan, NativeRows, TorchLoraBackend, TorchPlan
+from loraplex.lora.backends.tiles import SlotTiles
+from loraplex.models.llama import AttentionBatch
 from loraplex.engine.request import RequestOutput, SamplingParams, SeqStatus
 
 LOGIT_ATOL = 1e-4  # fp32; the observed maximum is below 2e-5 (logits are O(10))
@@ -178,9 +179,9 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], p
 
     ``path`` is how the LoRA batch is handed to the model: "kernels" (SGMV, then BGMV: the
     kernels or the reference), "dense" (each row's run of tokens by two matmuls,
-    ``LoraBatch.dense_runs``, as the runner does for one-adapter batches and prefill chunks) or
-    "tiles" (dense prefill, then every decode row in slot tiles, ``LoraBatch.tiles``, as the runner
-    does for decode over many adapters).
+    ``TorchPlan.dense_runs``, as the torch path does for one-adapter batches and prefill chunks) or
+    "tiles" (dense prefill, then every decode row in slot tiles, ``TorchPlan.tiles``, as the torch
+    path does for decode over many adapters).
 
     Drives ``engine.model.forward`` directly, with tensors built as ModelRunner.execute
     builds them, on a private KV cache. Each row is (prompt ids, adapter name or None);
@@ -237,20 +238,19 @@ def engine_logits(engine: LLMEngine, rows: list[tuple[list[int], str | None]], p
                 engine.adapters.release(n, slot=s)
 
 
-def handed(engine, path: str, token_slots: list[int], cu: list[int], slots: list[int], is_decode: bool) -> LoraBatch:
-    """The LoraBatch of one step (rows cu[i]:cu[i+1] on slots[i]) for the given path (engine_logits)."""
-    i32 = dict(dtype=torch.int32)
-    if path == "dense" or (path == "tiles" and not is_decode):
-        runs = [(cu[i], cu[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0]
-        return LoraBatch(engine.lora_slots, None, None, None, is_decode, dense_runs=runs)
-    if path == "tiles":
-        per_row = np.array(token_slots)
-        rows = np.flatnonzero(per_row >= 0)
-        tiles = SlotTiles.plan(rows, per_row[rows], engine.lora_slots.slot_ranks, torch.from_numpy)
-        assert tiles is not None
-        return LoraBatch(engine.lora_slots, None, None, None, is_decode, dense_runs=[], tiles=tiles)
-    return LoraBatch(engine.lora_slots, torch.tensor(token_slots, **i32), torch.tensor(cu, **i32),
-                     torch.tensor(slots, **i32), is_decode)
+def handed(engine, path: str, token_slots: list[int], cu: list[int], slots: list[int], is_decode: bool) -> LoraPlan:
+    """The LoRA plan of one step (rows cu[i]:cu[i+1] on slots[i]) for the given path (engine_logits)."""
+    if path == "kernels":
+        backend = KernelLoraBackend(engine.lora_slots, torch.from_numpy)
+        return backend.plan(np.array(slots, np.int32), np.array(cu), is_decode)
+    backend = TorchLoraBackend(engine.lora_slots, torch.from_numpy)
+    if path == "dense" or not is_decode:
+        return TorchPlan(backend, [(cu[i], cu[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0])
+    per_row = np.array(token_slots)
+    rows = np.flatnonzero(per_row >= 0)
+    tiles = SlotTiles.plan(rows, per_row[rows], engine.lora_slots.slot_ranks, torch.from_numpy)
+    assert tiles is not None
+    return TorchPlan(backend, [], tiles)
 
 
 # Two batches of three adapters each plus base rows; one adapter appears twice, apart, so
@@ -360,29 +360,29 @@ def test_the_runner_hands_dense_runs_where_they_pay(lora_family, kernel_mode):
     engine = make_engine(family)
     native = engine.model.native_decode is not None
     assert native == (kernel_mode == "auto")
-    seen = []
+    seen = []  # (is_decode, plan) of each step
     build = engine.runner._lora_batch
-    engine.runner._lora_batch = lambda *args: seen.append(build(*args)) or seen[-1]
+    engine.runner._lora_batch = lambda *args: seen.append((args[2], build(*args))) or seen[-1][1]
     name, other = sorted(family.adapters)[:2]
     for k, loras in enumerate(([name, name], [name, other], [name, None])):
         seen.clear()
         prompts = [f"{k}{i} Hello world" for i in range(len(loras))]  # no prefix-cache hits
         engine.generate([engine.make_request(p, p, greedy(3, lora)) for p, lora in zip(prompts, loras)])
-        decodes = [batch for batch in seen if batch.is_decode]
+        decodes = [plan for is_decode, plan in seen if is_decode]
         one_adapter = loras == [name, name]  # two rows on one adapter: a dense run; else slot tiles
         assert decodes
         prompt_rows = [len(engine.tokenizer(p).input_ids) for p in prompts]
         if native:  # each row's slot, -1 for the base model's; the prefill first, a row per prompt token
-            prefill, decodes = decodes[0], decodes[1:]
+            prefill = seen[0][1]  # in the decode form
             on_adapter = sorted(lora is not None for lora in loras)
-            assert all(batch.dense_runs is None and batch.tiles is None for batch in seen)
+            assert all(isinstance(plan, NativeRows) for _, plan in seen)
             assert prefill.token_slots.tolist() == [s for n, s in zip(prompt_rows, decodes[0].token_slots.tolist())
                                                     for _ in range(n)]
             assert all(sorted(s >= 0 for s in batch.token_slots.tolist()) == on_adapter for batch in decodes)
             continue
         assert all(bool(batch.dense_runs) == one_adapter for batch in decodes)
         assert all((batch.tiles is not None) != one_adapter and batch.token_slots is None for batch in decodes)
-        prefill = next(batch for batch in seen if not batch.is_decode)  # long runs: dense, base rows in none
+        prefill = next(plan for is_decode, plan in seen if not is_decode)  # long runs: dense, base rows in none
         covered = sum(end - start for start, end, _ in prefill.dense_runs)
         assert covered == sum(n for n, lora in zip(prompt_rows, loras) if lora)
 
@@ -391,7 +391,7 @@ def test_the_torch_path_plan_covers_each_adapter_row_once(lora_family):
     # prefill chunks by dense runs; the short runs by slot tiles, or by per-row slots (dense rows -1)
     # when the slots in use are too sparse for one range
     runner = make_engine(lora_family("llama-gqa"), max_loras=6).runner
-    plan = runner._torch_lora_batch
+    plan = TorchLoraBackend(runner.lora_slots, torch.from_numpy).plan
     decode = plan(np.array([0, 1, 0, -1], np.int32), np.arange(5), True)
     assert decode.dense_runs == [] and decode.token_slots is None
     assert (decode.tiles.lo, decode.tiles.hi, decode.tiles.dest.tolist()) == (0, 2, [0, 2, 1])

@@ -132,7 +132,7 @@ def test_decode_graph_replays_match_peft(tiny, shim_launches):
 
     runner = engine.runner
     runner.graphs = DecodeGraphs(engine.model, runner.kv_cache, [1, 2, 4], engine.max_model_len // BLOCK_SIZE,
-                                 engine.lora_slots, capture=rerun)
+                                 runner.lora, capture=rerun)
     replayed = collections.Counter()  # (graph size, with adapters) -> replays
     for key, (replay, output) in list(runner.graphs.graphs.items()):
         runner.graphs.graphs[key] = (lambda key=key, replay=replay: replayed.update([key]) or replay()), output

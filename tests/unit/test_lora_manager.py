@@ -10,13 +10,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from loraplex.kernels import lora_expand_bgmv, lora_shrink_bgmv
 from loraplex.lora.adapter import load_peft_adapter
 from loraplex.exceptions import AdapterError, AdapterNotFound
 from loraplex.lora.manager import AdapterManager
 from loraplex.lora.shapes import MODULES, module_shapes
 from loraplex.lora.slots import LoraSlots
-from loraplex.models.lora_tiles import SlotTiles
+from loraplex.lora.backends.tiles import SlotTiles
 
 ALL = list(MODULES)
 
@@ -307,47 +306,45 @@ def test_reregister_while_pinned_retires_old_version(hf_config, adapters, tmp_pa
 # numerics ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["bgmv", "tiles"])
-def test_over_slots_matches_peft_modules(hf_config, adapters, base_model, path):
-    # the reference's per-row gathers, and the torch path's slot tiles (read in place at the largest rank)
+# (seq_slots, rows of each sequence): decode rows over two adapters and the base; a step with prefill whose
+# 9-row run on slot 0 the torch path adds densely, the other rows in tiles
+SEQ_SLOTS = [-1, 0, 1, 0, 1]
+STEPS = {"decode": [1, 1, 1, 1, 1], "prefill": [1, 9, 2, 3, 1], "rows": [1, 9, 2, 3, 1]}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("backend", ["kernel", "torch", "native"])
+def test_each_lora_backend_matches_peft_modules(hf_config, adapters, base_model, backend, step):
+    # every backend behind the seam (plan once, apply per projection) against peft's own modules, row by row:
+    # BGMV/SGMV (the reference on the CPU), the torch path's dense runs and tiles, the native per-row lora_add
+    from loraplex.kernels import cpu_native
+    from loraplex.lora.backends import KernelLoraBackend, NativeLoraBackend, TorchLoraBackend
+
     mgr = new_manager(hf_config, adapters)
     assert mgr.acquire("one") == 0
     assert mgr.acquire("two") == 1
-    pms = {0: adapters["one"][1], 1: adapters["two"][1]}
-    token_slots = torch.tensor([-1, 0, 1, 0, -1, 1, 1, 0], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(123)
     slots = mgr.slots
-    two = load_peft_adapter(adapters["two"][0], "two", hf_config, 8)
+    cls = {"kernel": KernelLoraBackend, "torch": TorchLoraBackend, "native": NativeLoraBackend}[backend]
+    if backend == "native" and not cpu_native.lora_stacks_native(slots.a[0]["q_proj"], slots.b_t[0]["q_proj"],
+                                                                 slots.ranks[0]["q_proj"], slots.scales[0]["q_proj"]):
+        pytest.skip("the native library is not built here")
+    lengths = STEPS[step]
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    plan = cls(slots, torch.from_numpy).plan(np.array(SEQ_SLOTS, np.int32), cu, step == "decode", step == "rows")
+    row_slots = np.repeat(SEQ_SLOTS, lengths).tolist()
+    pms = {0: adapters["one"][1], 1: adapters["two"][1]}
+    gen = torch.Generator().manual_seed(123)
     for layer in range(hf_config.num_hidden_layers):
         for m in MODULES:
-            in_f, _ = slots.shapes[m]
-            x = torch.randn(len(token_slots), in_f, generator=gen)
+            x = torch.randn(len(row_slots), slots.shapes[m][0], generator=gen)
             base = peft_module(adapters["one"][1], layer, m)
             base = getattr(base, "base_layer", base)
             with torch.no_grad():
                 y = x @ base.weight.T
-                if path == "tiles":
-                    tiles = slot_tiles(slots, token_slots)
-                    tiles.add(y, x, slots.a_t[layer][m], slots.b_t[layer][m], slots.tile_scales[layer][m])
-                else:
-                    v = lora_shrink_bgmv(x, slots.a[layer][m], token_slots, slots.ranks[layer][m])
-                    lora_expand_bgmv(y, v, slots.b[layer][m], token_slots, slots.ranks[layer][m],
-                                     slots.scales[layer][m])
-                expected = torch.empty_like(y)
-                for t, s in enumerate(token_slots.tolist()):
-                    mod = base if s < 0 else peft_module(pms[s], layer, m)
-                    expected[t] = mod(x[t : t + 1])[0]
-            torch.testing.assert_close(y, expected, atol=1e-5, rtol=0)
-            if (layer, m) not in two.weights:
-                assert int(slots.ranks[layer][m][1]) == 0
-
-
-def slot_tiles(slots: LoraSlots, token_slots: torch.Tensor) -> SlotTiles:
-    per_row = token_slots.numpy()
-    rows = np.flatnonzero(per_row >= 0)
-    tiles = SlotTiles.plan(rows, per_row[rows].astype(np.int64), slots.slot_ranks, torch.from_numpy)
-    assert tiles is not None
-    return tiles
+                plan.apply(y, x, layer, m)
+                expected = torch.cat([(base if s < 0 else peft_module(pms[s], layer, m))(x[t:t + 1])
+                                      for t, s in enumerate(row_slots)])
+            torch.testing.assert_close(y, expected, atol=1e-5, rtol=0, msg=lambda msg: f"{layer} {m}: {msg}")
 
 
 def test_slot_tiles_layout():

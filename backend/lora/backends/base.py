@@ -1,0 +1,79 @@
+"""The LoRA compute seam: a backend plans a step's adapter rows once, then adds each projection's deltas.
+
+The runner calls ``plan`` once a step, from each sequence's adapter slot and the step's row
+layout; the model calls ``apply`` (through the plan) for every projection it computes. How the
+deltas are computed (dense runs, slot tiles, BGMV/SGMV kernels, the native decode call) is the
+backend's alone: a new kernel variant, or a per-output scale such as DoRA's, touches one backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import numpy as np
+import torch
+
+from loraplex import kernels
+
+
+class LoraPlan:
+    """One step's adapter rows, in the form its backend computes them."""
+
+    __slots__ = ("backend",)
+    one_call = False  # the model's one-call decode forward adds these deltas itself (RowSlots of a native backend)
+
+    def __init__(self, backend: LoraBackend):
+        self.backend = backend
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        """y += each row's adapter delta for module of layer, in place (x: the projection's input)."""
+        self.backend.apply(self, y, x, layer, module)
+
+
+class RowSlots(LoraPlan):
+    """One adapter slot per row (int32 [T], -1: the base model)."""
+
+    __slots__ = ("token_slots",)
+
+    def __init__(self, backend: LoraBackend, token_slots: torch.Tensor):
+        super().__init__(backend)
+        self.token_slots = token_slots
+
+
+class LoraBackend(ABC):
+    """Computes the deltas of the adapters in one LoraSlots' stacks."""
+
+    one_call = False  # whether its decode plans are added inside the model's one-call decode forward
+
+    def __init__(self, slots, to_tensor: Callable[[np.ndarray], torch.Tensor]):
+        self.slots = slots  # LoraSlots
+        self.to_tensor = to_tensor  # a host array as a tensor on the model's device
+
+    @abstractmethod
+    def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraPlan:
+        """The step's plan: seq_slots (int32 [B], -1: base) is each sequence's slot, cu (int [B+1]) its rows;
+        is_decode: one row per sequence; rows_form: a step with prefill that runs in the decode form."""
+
+    @abstractmethod
+    def apply(self, plan: LoraPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        """y += each row's adapter delta for module of layer, as plan lays the rows out."""
+
+    def rows(self, token_slots: torch.Tensor) -> RowSlots:
+        """A plan of one slot per row, given as a tensor already on the device (the decode graphs' buffer)."""
+        return RowSlots(self, token_slots)
+
+
+def segments(slots: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row segments of one adapter (int32 starts [G+1], slots [G]): neighbouring sequences that share one merge."""
+    change = np.flatnonzero(slots[1:] != slots[:-1]) + 1
+    seg_starts = np.concatenate(([0], cu[change], cu[-1:])).astype(np.int32)
+    return seg_starts, slots[np.concatenate(([0], change))]
+
+
+def bgmv(y: torch.Tensor, x: torch.Tensor, slots, token_slots: torch.Tensor, layer: int, module: str) -> None:
+    """y += each row's delta by the per-row gather kernels (CUDA, the shim, or the reference on the CPU)."""
+    a, b = slots.a[layer][module], slots.b[layer][module]
+    ranks, scales = slots.ranks[layer][module], slots.scales[layer][module]
+    v = kernels.lora_shrink_bgmv(x, a, token_slots, ranks)
+    kernels.lora_expand_bgmv(y, v, b, token_slots, ranks, scales)

@@ -1,0 +1,40 @@
+"""LoRA by the BGMV/SGMV kernels: per-row slots for decode, adapter segments for prefill (CUDA, or the shim)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loraplex import kernels
+from loraplex.lora.backends.base import LoraBackend, LoraPlan, RowSlots, bgmv, segments
+
+
+class Segments(LoraPlan):
+    """Rows in segments of one adapter each: starts int32 [G+1], slots int32 [G]."""
+
+    __slots__ = ("seg_starts", "seg_slots")
+
+    def __init__(self, backend: LoraBackend, seg_starts: torch.Tensor, seg_slots: torch.Tensor):
+        super().__init__(backend)
+        self.seg_starts, self.seg_slots = seg_starts, seg_slots
+
+
+class KernelLoraBackend(LoraBackend):
+    """Punica's two forms: a decode step gathers each row's adapter (BGMV), a step with prefill runs one
+    adapter per segment of rows (SGMV); shrink to the rank, then expand and add in place."""
+
+    def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraPlan:
+        if is_decode:
+            return RowSlots(self, self.to_tensor(seq_slots))
+        seg_starts, seg_slots = segments(seq_slots, cu)
+        return Segments(self, self.to_tensor(seg_starts), self.to_tensor(seg_slots))
+
+    def apply(self, plan: LoraPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        s = self.slots
+        if isinstance(plan, RowSlots):
+            bgmv(y, x, s, plan.token_slots, layer, module)
+            return
+        a, b = s.a[layer][module], s.b[layer][module]
+        ranks, scales = s.ranks[layer][module], s.scales[layer][module]
+        v = kernels.lora_shrink_sgmv(x, a, plan.seg_starts, plan.seg_slots, ranks)
+        kernels.lora_expand_sgmv(y, v, b, plan.seg_starts, plan.seg_slots, ranks, scales)

@@ -1,0 +1,67 @@
+"""LoRA on the CPU's torch path (fp32): dense runs for long runs of one adapter, slot tiles for the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loraplex.lora.backends.base import LoraBackend, LoraPlan, bgmv, segments
+from loraplex.lora.backends.tiles import SlotTiles
+
+# A run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two dense matmuls;
+# shorter runs (decode rows of many adapters) go into slot tiles.
+DENSE_LORA_MIN_ROWS = 8
+
+
+class TorchPlan(LoraPlan):
+    """dense_runs: (first row, end row, slot) of each run added by two dense matmuls (peft's own sum); tiles:
+    the other rows in slot tiles, or token_slots (int32 [T], -1: none) for them when tiles would waste too much."""
+
+    __slots__ = ("dense_runs", "tiles", "token_slots")
+
+    def __init__(self, backend: LoraBackend, dense_runs: list[tuple[int, int, int]], tiles: SlotTiles | None = None,
+                 token_slots: torch.Tensor | None = None):
+        super().__init__(backend)
+        self.dense_runs, self.tiles, self.token_slots = dense_runs, tiles, token_slots
+
+
+class TorchLoraBackend(LoraBackend):
+    """The torch path: the same sums as peft where one adapter covers many rows, batched matmuls per slot for
+    rows spread over many adapters, and the per-row gather for what tiles would waste."""
+
+    def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> TorchPlan:
+        """A decode step is one dense run when every row has one adapter, else all tiles (the common case,
+        kept cheap); with prefill, runs of DENSE_LORA_MIN_ROWS rows or more (or a lone segment) are dense."""
+        if is_decode:
+            if seq_slots[0] >= 0 and (seq_slots == seq_slots[0]).all():
+                return TorchPlan(self, [(0, len(seq_slots), int(seq_slots[0]))])
+            runs, row_slots = [], seq_slots
+        else:
+            seg_starts, seg_slots = segments(seq_slots, cu)
+            lengths = np.diff(seg_starts)
+            dense = (seg_slots >= 0) & ((lengths >= DENSE_LORA_MIN_ROWS) | (len(seg_slots) == 1))
+            runs = [(int(seg_starts[g]), int(seg_starts[g + 1]), int(seg_slots[g])) for g in np.flatnonzero(dense)]
+            if not ((seg_slots >= 0) & ~dense).any():
+                return TorchPlan(self, runs)
+            row_slots = np.repeat(np.where(dense, -1, seg_slots), lengths)  # -1: base or dense
+        rows = np.flatnonzero(row_slots >= 0)
+        tiles = SlotTiles.plan(rows, row_slots[rows], self.slots.slot_ranks, self.to_tensor)
+        if tiles is None:  # the rows left go through the per-row gather (BGMV)
+            return TorchPlan(self, runs, token_slots=self.to_tensor(row_slots))
+        return TorchPlan(self, runs, tiles)
+
+    def apply(self, plan: TorchPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        s = self.slots
+        a, b = s.a[layer][module], s.b[layer][module]
+        for start, end, slot in plan.dense_runs:  # peft's own sum per run of rows, scale * B(A(x))
+            target = s.targets[slot].get((layer, module))
+            if target is not None:
+                rank, scale = target
+                rows = slice(start, end)
+                a_r, b_r = a[slot, :rank].to(x.dtype), b[slot, :, :rank].to(x.dtype)  # fp16 stacks: lora_dtype
+                y[rows].add_(F.linear(F.linear(x[rows], a_r), b_r), alpha=scale)
+        if plan.tiles is not None:
+            plan.tiles.add(y, x, s.a_t[layer][module], s.b_t[layer][module], s.tile_scales[layer][module])
+        elif plan.token_slots is not None:
+            bgmv(y, x, s, plan.token_slots, layer, module)
