@@ -456,7 +456,6 @@ class LLMEngine:
         tenant = request.tenant if self.config.prefix_cache_scope == "tenant" else None
         namespace = namespace_key(tenant, request.adapter_digest)
         seqs = []
-        request.open_samples = params.n
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request, index, list(request.prompt_token_ids), len(request.prompt_token_ids))
             seq.namespace = namespace

@@ -6,6 +6,11 @@ and an ``ErrorEvent`` per request that failed. This turns them into ``RequestOut
 In a served engine it runs on its own thread, so the loop's next step starts while the
 last one's text is still being made; ``LLMEngine.step`` runs it inline instead.
 
+The text side of each request is this processor's own state (``_RequestText``, one ``_SampleText``
+per sample), made at a request's first event and dropped with its final output; the loop's
+records carry none of it. The one thing the loop reads back is ``Request.final_reason``, the
+finish reason the final output carried.
+
 A stop string ends its sample here, at once: the final output goes out with the text cut
 before the stop, and the loop is told to end the sequence (``stop_sequence``). The loop
 may have computed a token or two more by then; they are dropped, as in vLLM v1. A sample
@@ -40,6 +45,26 @@ TokenEvent = tuple
 
 
 @dataclass(slots=True)
+class _SampleText:
+    """What one sample has streamed: its detokenizer, the tokens and characters sent, whether it ended."""
+
+    detok: IncrementalDetokenizer
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _RequestText:
+    """A request's samples (by index, None before their first event), how many have no final output yet,
+    and whether its output failed (the loop then sends its one error output; deltas are dropped)."""
+
+    samples: list
+    open_samples: int
+    failing: bool = False
+
+
+@dataclass(slots=True)
 class ErrorEvent:
     """A request's one error output, and the request (to drop anything that follows it)."""
 
@@ -67,6 +92,7 @@ class OutputProcessor:
         self._held: list = []  # events submitted while the loop was not quiet (the loop thread's)
         self.loop_quiet = _Quiet(self._hand_over_held)
         self.loop_quiet.set()
+        self._open: dict[str, _RequestText] = {}  # request id -> its text state, until its final output
 
     # ---- thread ------------------------------------------------------------------------
     def start(self, deliver: Callable[[list[RequestOutput]], None] | None) -> None:
@@ -150,41 +176,49 @@ class OutputProcessor:
     def _delta(self, outputs: list[RequestOutput], seq: Sequence, token: int | None, reason: FinishReason | None,
                cumulative: float, logprobs: list | None) -> None:
         request = seq.request
-        if seq.output_done or request.output_ended or request.output_failing:
-            return  # ended here already (a stop string), or failing: the loop sends its error
+        if request.output_ended:
+            return  # its final output (or error) was made
+        state = self._open.get(request.request_id)
+        if state is None:
+            n = request.params.n
+            state = self._open[request.request_id] = _RequestText([None] * n, n)
+        sample = state.samples[seq.index]
+        if state.failing or (sample is not None and sample.done):
+            return  # failing (the loop sends its error), or the sample ended here already (a stop string)
         try:
-            output = self._output(seq, token, reason, cumulative, logprobs)
+            if sample is None:
+                sample = state.samples[seq.index] = _SampleText(IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, request.params.stop, request.params.skip_special_tokens))
+            output = self._output(seq, sample, token, reason, cumulative, logprobs)
         except Exception as exc:  # noqa: BLE001 - e.g. detokenizing raised: this request fails, not the batch
             log.warning("output of request %s failed: %r", request.request_id, exc)
-            request.output_failing = True
+            state.failing = True
             self.fail_request(request, exc)
             return
         if output.finished:
-            seq.output_done = True
-            request.open_samples -= 1
-            if request.open_samples <= 0:
+            sample.done = True
+            state.open_samples -= 1
+            if state.open_samples <= 0:
                 self._ended(request, output.finish_reason)
         outputs.append(output)
 
     def _ended(self, request: Request, finish_reason: str) -> None:
-        """The request's final output is made. A stop string can turn the loop's length end into a stop,
-        so the loop counts such a request's end by this reason (``final_made``)."""
+        """The request's final output is made: its text state goes. A stop string can turn the loop's length
+        end into a stop, so the loop counts such a request's end by this reason (``final_made``)."""
+        self._open.pop(request.request_id, None)
         request.final_reason = finish_reason  # request.output_ended from now on
         if request.params.stop:
             self.final_made(request)
 
-    def _output(self, seq: Sequence, token: int | None, reason: FinishReason | None, cumulative: float,
-                logprobs: list | None) -> RequestOutput:
+    def _output(self, seq: Sequence, sample: _SampleText, token: int | None, reason: FinishReason | None,
+                cumulative: float, logprobs: list | None) -> RequestOutput:
         request = seq.request
         params = request.params
-        detok = seq.detok
-        if detok is None:
-            detok = seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                                       params.skip_special_tokens)
+        detok = sample.detok
         finish_reason = reason.value if reason is not None else None
         if token is not None:
-            seq.num_sent_tokens += 1
-            stop = detok.push(token, match_stops=seq.num_sent_tokens >= params.min_tokens)
+            sample.sent_tokens += 1
+            stop = detok.push(token, match_stops=sample.sent_tokens >= params.min_tokens)
             if stop is not None:
                 if reason is None:
                     self.stop_sequence(seq)
@@ -193,8 +227,8 @@ class OutputProcessor:
         if finished:
             detok.finish()
         end = detok.stable_length(finished)
-        text = detok.text[seq.num_sent_chars:end]
-        seq.num_sent_chars = max(end, seq.num_sent_chars)
+        text = detok.text[sample.sent_chars:end]
+        sample.sent_chars = max(end, sample.sent_chars)
         return RequestOutput(
             request_id=request.request_id,
             index=seq.index,

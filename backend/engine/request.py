@@ -231,9 +231,7 @@ class Request:
     last_token_time: float = 0.0  # the latest step that generated a token for it
     token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
     wants_logprobs: bool = True  # its sampled tokens' logprobs are used (cumulative_logprob, logprobs)
-    open_samples: int = 0  # samples without their final output yet (the output processor's)
-    output_failing: bool = False  # its output failed: the loop sends its error, deltas are dropped
-    final_reason: str | None = None  # the finish reason its final output carried (the output processor's)
+    final_reason: str | None = None  # the finish reason its final output carried (set by the output processor)
     count_pending: bool = False  # its end is counted once the output processor has made its final output
 
     @property
@@ -257,13 +255,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
-    detok: Any = None  # IncrementalDetokenizer (the output processor's, made at its first delta)
     generator: Any = None  # torch.Generator of a seeded sample
     namespace: bytes = b""  # prefix-cache namespace (tenant, adapter digest)
     pending_logprobs: list = field(default_factory=list)  # top candidates not yet handed to the output processor
-    num_sent_tokens: int = 0  # output tokens already reported (the output processor's)
-    num_sent_chars: int = 0  # output text already reported (the output processor's)
-    output_done: bool = False  # its final output was made (the output processor's)
     forks: list = field(default_factory=list)  # FORK_PENDING siblings forked from this seq after its prefill
     fork_parent: Any = None  # the seq a FORK_PENDING seq will be forked from
     host_blocks: list[int] = field(default_factory=list)  # swap-space blocks while SWAPPED

@@ -104,6 +104,7 @@ def assert_idle(engine: LLMEngine) -> None:
     sched = engine.scheduler
     assert not (sched.running or sched.waiting or sched.swapped)
     assert engine.num_waiting_requests() == 0 and engine._requests == {}
+    assert engine.processor._open == {}  # the text state of every request went with its final output
 
 
 def add_good(engine: LLMEngine, prefix: str = "g") -> list[tuple[str, str, str | None]]:
@@ -184,7 +185,7 @@ def test_detokenizer_and_prefix_lookup_failures_fail_only_their_request(engine_f
     class BrokenStream:
         step = staticmethod(broken_decode)
 
-    detok = engine._requests["detok"][1].detok  # sample 1 of the n=2 request
+    detok = engine.processor._open["detok"].samples[1].detok  # sample 1 of the n=2 request
     detok._decode, detok._stream = broken_decode, (None, BrokenStream())
     run(engine, outputs)
     assert_failed_once(outputs, "lookup", "planted prefix lookup failure")

@@ -147,10 +147,10 @@ def test_a_detokenizer_failure_on_the_output_thread_fails_only_its_request(engin
     engine = engine_factory()
     real = engine.processor._output
 
-    def planted(seq, token, *args):
-        if seq.request.request_id == "broken" and seq.num_sent_tokens == 3:
+    def planted(seq, sample, token, *args):
+        if seq.request.request_id == "broken" and sample.sent_tokens == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted output failure")
-        return real(seq, token, *args)
+        return real(seq, sample, token, *args)
 
     engine.processor._output = planted
     requests = [request(engine, "broken", "detokenizer breaks", "demo-a")]

@@ -212,11 +212,11 @@ class Harness:
 
     def _report(self, seq: Sequence) -> None:
         key = (seq.request.request_id, seq.index)
-        new = seq.output_token_ids[seq.num_sent_tokens:]
+        streamed = self.streamed.setdefault(key, [])
+        new = seq.output_token_ids[len(streamed):]
         tenant = seq.request.tenant
         self.served[tenant] = self.served.get(tenant, 0) + len(new)
-        seq.num_sent_tokens = seq.num_output_tokens
-        self.streamed.setdefault(key, []).extend(new)
+        streamed.extend(new)
         if seq.status is SeqStatus.FINISHED:
             self.finals[key] = self.finals.get(key, 0) + 1
             self.reasons[key] = seq.finish_reason.value
