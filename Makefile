@@ -116,8 +116,13 @@ serve: setup
 		$(if $(ADAPTER_STORE),--adapter-store '$(ADAPTER_STORE)') $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
 		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
 
+# TEST_WORKERS pytest processes (pytest-xdist), each taking whole test files (--dist loadfile: a module's
+# server serves only its own tests): the e2e modules mostly wait on servers starting and stopping, so two
+# workers on 2 cores take ~8 min where one takes ~13 (decision 049). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+
 test: setup demo smollm2 aiperf
-	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # AIPerf (pyproject's `bench` extra) in its own virtualenv, not $(VENV): its dependencies would
 # move pinned packages of the serving environment (huggingface_hub, psutil, rich) and, on their
