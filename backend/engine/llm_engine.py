@@ -24,6 +24,7 @@ from loraplex.lora.preloader import AdapterPreloader
 from loraplex.lora.shapes import module_shapes
 from loraplex.lora.slots import LoraSlots
 from loraplex.lora.store import AdapterStore
+from loraplex.engine.constraints import ConstraintCompiler, new_matcher
 from loraplex.engine.inbox import Abort, Add, FinalMade, Message, OutputFailed, StopSample
 from loraplex.engine.metrics import TenantLabels, Values, per_label
 from loraplex.worker.model_runner import ModelRunner
@@ -111,6 +112,7 @@ class LLMEngine:
         self.num_host_blocks = self._num_host_blocks()
         self.eos_token_ids = self._eos_ids(hf_config)
         self.vocab_size = hf_config.vocab_size
+        self.constraints = ConstraintCompiler(self.tokenizer, hf_config.vocab_size, self.eos_token_ids)
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks,
                                   self.eos_token_ids)
@@ -231,6 +233,8 @@ class LLMEngine:
                 f"blocks of {bs} tokens, but the KV cache has {usable} for sequences"
             )
         request = Request(request_id, prompt, ids, params, tenant, limits=limits)
+        if params.structured_outputs is not None:  # compiled here, on the caller's thread, within its bound
+            request.grammar = self.constraints.compile(params.structured_outputs)
         if params.lora_name:
             request.adapter_key, path, uploaded = self.catalog.resolve(tenant, params.lora_name)
             request.adapter_path = path if uploaded else None
@@ -460,6 +464,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request, index, list(request.prompt_token_ids), len(request.prompt_token_ids))
             seq.namespace = namespace
             seq.generator = make_generator(params, index, self.device)
+            if request.grammar is not None:
+                seq.matcher = new_matcher(request.grammar)
             seqs.append(seq)
         seqs[0].forks = seqs[1:]  # n > 1: forked from sample 0 after its prefill (copy-on-write)
         return seqs
@@ -616,6 +622,7 @@ class LLMEngine:
         with self._shutdown_lock:  # the unload watch and finalize() may both call it
             self.stop(timeout=30.0)
             self.preloader.close()  # reads in flight deliver their requests to the inbox, drained below
+            self.constraints.close()
             error = EngineShuttingDown("the model is shutting down; the request did not finish")
             outputs = [e.output for e in self._fail_held(error) if not e.request.output_ended]  # not a 2nd final
             with self._accept_lock:  # with the preloader's hand-over: each request is ended here once

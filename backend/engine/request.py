@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from loraplex.engine.constraints import GUIDED_KEYS, Constraint, parse_guided, parse_structured_outputs
 from loraplex.exceptions import InvalidRequest
 
 if TYPE_CHECKING:
@@ -136,12 +138,15 @@ class SamplingParams:
     lora_name: str | None = None
     timeout: float | None = None
     skip_special_tokens: bool = True
+    structured_outputs: Constraint | None = None  # from structured_outputs or a guided_* key (engine/constraints.py)
 
     _PARSERS = {
         "max_tokens": _as_int, "min_tokens": _as_int, "temperature": _as_float, "top_p": _as_float,
         "top_k": _as_int, "seed": _as_int, "stop": _as_str_list, "stop_token_ids": _as_int_list,
         "n": _as_int, "ignore_eos": _as_bool, "logprobs": _as_int, "priority": _as_int,
         "lora_name": _as_optional_str, "timeout": _as_float, "skip_special_tokens": _as_bool,
+        "structured_outputs": parse_structured_outputs,
+        **{key: functools.partial(parse_guided, key) for key in GUIDED_KEYS},
     }
 
     @classmethod
@@ -162,6 +167,13 @@ class SamplingParams:
                 known = sorted(SAMPLING_KEYS)
                 raise InvalidRequest(f"unknown sampling parameter {show(key)}; known: {', '.join(known)}")
             if raw is None and key in ("seed", "logprobs", "lora_name", "timeout"):
+                continue
+            if key in GUIDED_KEYS or key == "structured_outputs":
+                constraint = parser(raw)  # raises InvalidRequest naming what is wrong
+                if constraint is not None and kwargs.get("structured_outputs") is not None:
+                    raise InvalidRequest(f"'{key}' and another structured output key were both given; give one")
+                if constraint is not None:
+                    kwargs["structured_outputs"] = constraint
                 continue
             try:
                 kwargs[key] = parser(raw)
@@ -192,6 +204,9 @@ class SamplingParams:
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (self.structured_outputs is None or not (self.min_tokens or self.ignore_eos),
+             "min_tokens and ignore_eos cannot be combined with structured outputs: the grammar decides where "
+             "EOS may come"),
         ]
         for ok, message in checks:
             if not ok:
@@ -231,6 +246,7 @@ class Request:
     last_token_time: float = 0.0  # the latest step that generated a token for it
     token_steps: int = 0  # steps that generated tokens for it (metrics: time per output token)
     wants_logprobs: bool = True  # its sampled tokens' logprobs are used (cumulative_logprob, logprobs)
+    grammar: Any = None  # xgrammar's CompiledGrammar of params.structured_outputs (compiled by make_request)
     final_reason: str | None = None  # the finish reason its final output carried (set by the output processor)
     count_pending: bool = False  # its end is counted once the output processor has made its final output
 
@@ -256,6 +272,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator of a seeded sample
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained sample: the runner masks its logits and advances it
     namespace: bytes = b""  # prefix-cache namespace (tenant, adapter digest)
     pending_logprobs: list = field(default_factory=list)  # top candidates not yet handed to the output processor
     forks: list = field(default_factory=list)  # FORK_PENDING siblings forked from this seq after its prefill

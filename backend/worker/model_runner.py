@@ -13,6 +13,7 @@ from loraplex.exceptions import NonFiniteLogits
 from loraplex import kernels
 from loraplex.lora.backends import LoraPlan, lora_backend
 from loraplex.models.llama import AttentionBatch, LlamaModel
+from loraplex.worker import grammar_mask
 from loraplex.worker.sampler import sample_tokens, token_logprobs
 from loraplex.worker.step_arrays import RepeatedDecode
 
@@ -49,6 +50,7 @@ class ModelRunner:
         # CPU: logits written into one buffer step after step; a fresh one over glibc's largest mmap threshold
         # (32 MB) is mapped and page-faulted anew each step, so the buffer is reused (figures: docs/benchmarks.md)
         self._logits_buffer = torch.empty(0, model.vocab_size)
+        self._grammar = None  # GrammarMask, made at the first constrained row
         self.lora = None if lora_slots is None else lora_backend(model, lora_slots, self._tensor)
         # a step with prefill may run in the one-call decode forward when that call adds its LoRA deltas too
         self._rows_form = model.native_decode is not None and (self.lora is None or self.lora.one_call)
@@ -120,9 +122,12 @@ class ModelRunner:
                     logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
                     greedy = None  # the rows zeroed: their argmax again
             sampling = sampling or _sampling_rows(seqs)
-            params, generators, random_rows, wants_logprobs, min_rows = sampling
+            params, generators, random_rows, wants_logprobs, min_rows, grammar_rows = sampling
             if min_rows and _hold_stops(logits, min_rows, self.eos_token_ids):
                 greedy = None  # a held-back row's argmax again
+            if grammar_rows:
+                self._grammar_mask().apply(logits, grammar_rows)
+                greedy = None  # a constrained row's argmax again
             tokens = sample_tokens(logits, params, generators, random_rows, greedy)
             if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
@@ -135,6 +140,8 @@ class ModelRunner:
             else:
                 token_array = (tokens if self._on_cpu else tokens.cpu()).numpy()
             tokens = token_array.tolist()
+            if grammar_rows:
+                grammar_mask.advance(grammar_rows, tokens, sample_seqs, errors)
         if not errors:
             self._inputs.sampled(token_array, (lora, sampling))
         if every_seq:  # sample j is row j
@@ -146,6 +153,11 @@ class ModelRunner:
             if wanted:
                 out.logprobs[i], out.top_logprobs[i] = chosen[j], tops[j]
         return out
+
+    def _grammar_mask(self) -> grammar_mask.GrammarMask:
+        if self._grammar is None:
+            self._grammar = grammar_mask.GrammarMask(self.model.vocab_size, self.device)
+        return self._grammar
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """The first rows of the reused logits buffer (grown as needed) on the CPU; None elsewhere."""
@@ -242,10 +254,11 @@ def _prompt_rows_fit(step) -> bool:
     return int(step.positions[prompt_rows].sum()) + rows <= ROWS_FORM_MAX_MEAN_CONTEXT * rows
 
 
-def _sampling_rows(seqs) -> tuple[list, list, list[int], bool, list]:
+def _sampling_rows(seqs) -> tuple[list, list, list[int], bool, list, list]:
     """In one pass: each row's params and generator, the rows not sampled greedily, whether any reads logprobs,
-    and the (row, seq) of requests with a min_tokens (their stop tokens may be held back)."""
-    params, generators, random_rows, wants_logprobs, min_rows = [], [], [], False, []
+    the (row, seq) of requests with a min_tokens (their stop tokens may be held back) and the (row, matcher) of
+    constrained samples."""
+    params, generators, random_rows, wants_logprobs, min_rows, grammar_rows = [], [], [], False, [], []
     add_params, add_generator = params.append, generators.append
     for row, seq in enumerate(seqs):
         request = seq.request
@@ -258,7 +271,9 @@ def _sampling_rows(seqs) -> tuple[list, list, list[int], bool, list]:
             wants_logprobs = True
         if p.min_tokens:
             min_rows.append((row, seq))
-    return params, generators, random_rows, wants_logprobs, min_rows
+        if seq.matcher is not None:
+            grammar_rows.append((row, seq.matcher))
+    return params, generators, random_rows, wants_logprobs, min_rows, grammar_rows
 
 
 def _hold_stops(logits: torch.Tensor, min_rows: list, eos_token_ids: list[int]) -> bool:

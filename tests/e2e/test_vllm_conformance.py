@@ -179,3 +179,31 @@ def test_the_server_serves_no_metrics_and_the_model_still_generates(triton_serve
         requests.get(triton_server.metrics_url, timeout=5)
     responses = infer(triton_server, vllm_inputs(grpcclient, PROMPT, False, SAMPLING), SAMPLING)
     assert len(responses) == 1 and responses[0][1] is None and responses[0][0].as_numpy("text_output")[0]
+
+
+STRUCTURED_PROMPTS = ["Classify intent of the sentence: Harry Potter is underrated. ",
+                      "Classify intent of the sentence: Pizza is the best food. "]
+
+
+def test_structured_outputs_as_their_accuracy_test_sends_them(triton_server):
+    # ci/L0_backend_vllm/accuracy_test: SAMPLING_PARAMETERS plus structured_outputs as a JSON string of a
+    # choice, in the sampling_parameters tensor and the request parameters alike, not streamed
+    sampling = {**SAMPLING, "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]})}
+    for prompt in STRUCTURED_PROMPTS:
+        responses = infer(triton_server, vllm_inputs(grpcclient, prompt, False, sampling), sampling)
+        assert [error for _, error in responses] == [None]
+        text = responses[0][0].as_numpy("text_output")[0].decode()
+        assert text in (prompt + "Positive", prompt + "Negative")  # echoed prompt, then one of the choices
+
+
+@pytest.mark.parametrize("constraint, named", [
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}, "json"),
+    ({"guided_regex": "(unclosed"}, "regex"),
+    ({"structured_outputs": {"choice": []}}, "choice"),
+])
+def test_a_bad_constraint_is_invalid_arg_naming_it(triton_server, constraint, named):
+    sampling = {**SAMPLING, **constraint}
+    responses = infer(triton_server, vllm_inputs(grpcclient, PROMPT, False, sampling), {})
+    ((_, error),) = responses
+    assert isinstance(error, InferenceServerException)  # a stream's error carries its text, not a status
+    assert error.message().startswith("structured_outputs") and named in error.message()

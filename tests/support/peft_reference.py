@@ -86,3 +86,25 @@ def greedy_with_stops(model_dir: str, adapter_dir: str | None, prompt_ids: list[
             if token in stop_ids:
                 break
     return out
+
+
+def greedy_constrained(model_dir: str, adapter_dir: str | None, prompt_ids: list[int], max_new_tokens: int,
+                       compiled_grammar) -> list[int]:
+    """Greedy tokens from `generate(do_sample=False)` under xgrammar's own HF logits processor
+    (xgrammar.contrib.hf.LogitsProcessor) on compiled_grammar, stopping at EOS like the engine."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    model = reference_model(model_dir, adapter_dir)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=model.config.eos_token_id, logits_processor=[LogitsProcessor(compiled_grammar)],
+        )
+    tokens = out[0, len(prompt_ids):].tolist()
+    eos = model.config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,178 @@
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, EBNF grammar),
+parsed from vLLM's keys and compiled by xgrammar off the engine loop, bounded in size and time.
+
+The spelling is vLLM's: ``structured_outputs`` is an object (or a JSON string of one) with exactly one of
+``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` (and optionally ``disable_any_whitespace``);
+the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` keys say the same.
+Compiled grammars are cached by xgrammar's compiler (one per engine, so per tokenizer), up to
+``CACHE_BYTES``; a constraint already compiled costs nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.exceptions import InvalidRequest
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex, grammar or the choices together, as sent
+MAX_CHOICES = 1024
+COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused
+COMPILE_THREADS = 2  # compiles at once, per engine; more wait their turn (within their timeout)
+CACHE_BYTES = 256 * 1024 * 1024  # xgrammar's cache of compiled grammars (least recently used go first)
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """One request's constraint: kind (KINDS) and its text (a schema as canonical JSON, a regex, an EBNF
+    grammar, the choices as a JSON list; "" for json_object)."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool = True
+
+    def describe(self) -> str:
+        return f"structured_outputs.{self.kind}"
+
+
+def _fail(message: str):
+    raise InvalidRequest(f"structured_outputs: {message}")
+
+
+def _loaded(value: Any, what: str) -> Any:
+    """value, or the JSON it holds when it is a string that parses as JSON."""
+    if isinstance(value, str):
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+            _fail(f"{what} is over {MAX_CONSTRAINT_BYTES} bytes")
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+    return value
+
+
+def _spec(kind: str, value: Any) -> str:
+    """The text of one kind's value, checked for type and size."""
+    if kind == "json":
+        schema = _loaded(value, "the JSON schema")
+        if isinstance(schema, bool) or not isinstance(schema, dict):
+            _fail(f"json must be a JSON schema object, got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        except (ValueError, RecursionError):
+            _fail("json is not a JSON schema object (too deep, or not JSON)")
+    elif kind == "choice":
+        choices = _loaded(value, "choice")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            _fail("choice must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            _fail(f"choice has {len(choices)} strings, more than {MAX_CHOICES}")
+        text = json.dumps(choices, ensure_ascii=False)
+    elif kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            _fail(f"{kind} must be a non-empty string")
+        text = value
+    else:  # json_object
+        if value not in (True, "true", "True", 1):
+            _fail("json_object must be true")
+        text = ""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+        _fail(f"{kind} is over {MAX_CONSTRAINT_BYTES} bytes")
+    return text
+
+
+def parse_structured_outputs(value: Any) -> Constraint | None:
+    """vLLM's ``structured_outputs`` (an object, or a JSON string of one) as a Constraint; None when empty.
+    Raises InvalidRequest naming what is wrong."""
+    fields = _loaded(value, "structured_outputs")
+    if fields is None:
+        return None
+    if not isinstance(fields, dict):
+        _fail("must be an object with one of " + ", ".join(KINDS))
+    extra = sorted(set(fields) - set(KINDS) - {"disable_any_whitespace"})
+    if extra:
+        _fail(f"unknown field {extra[0]!r}; known: {', '.join(KINDS)}, disable_any_whitespace")
+    given = [k for k in KINDS if fields.get(k) not in (None, False)]
+    if len(given) != 1:
+        _fail(f"give exactly one of {', '.join(KINDS)}" + (f", not {' and '.join(given)}" if given else ""))
+    any_whitespace = fields.get("disable_any_whitespace") in (None, False, "false", "False", 0)
+    return Constraint(given[0], _spec(given[0], fields[given[0]]), any_whitespace)
+
+
+def parse_guided(key: str, value: Any) -> Constraint | None:
+    """One of vLLM's older ``guided_*`` keys as a Constraint (None for a null value)."""
+    if value is None:
+        return None
+    kind = GUIDED_KEYS[key]
+    return Constraint(kind, _spec(kind, value))
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the choices (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one tokenizer with xgrammar, on COMPILE_THREADS threads, each within
+    COMPILE_TIMEOUT_S; xgrammar is imported at the first constraint (a server without any never loads it)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout_s: float = COMPILE_TIMEOUT_S):
+        self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.timeout_s = timeout_s
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="loraplex-grammar")
+        self.compiled = 0  # constraints compiled (cache hits included)
+
+    def _xgrammar_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                     cache_limit_bytes=CACHE_BYTES)
+            return self._compiler
+
+    def _compile_now(self, constraint: Constraint):
+        compiler = self._xgrammar_compiler()
+        kind, spec = constraint.kind, constraint.spec
+        if kind == "json":
+            return compiler.compile_json_schema(spec, any_whitespace=constraint.any_whitespace)
+        if kind == "json_object":  # a JSON object, as OpenAI's json_object means (the builtin grammar takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(json.loads(spec)))
+        return compiler.compile_grammar(spec)
+
+    def compile(self, constraint: Constraint):
+        """The constraint's xgrammar CompiledGrammar; raises InvalidRequest when xgrammar refuses it (an invalid
+        schema, an unsupported feature, a regex or grammar that does not parse) or it takes over timeout_s."""
+        future = self._pool.submit(self._compile_now, constraint)
+        try:
+            compiled = future.result(self.timeout_s)
+        except FutureTimeout:
+            raise InvalidRequest(f"{constraint.describe()}: compiling it took over {self.timeout_s:g} s") from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidRequest(f"{constraint.describe()} is not valid: {message[:300]}") from None
+        self.compiled += 1
+        return compiled
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def new_matcher(compiled):
+    """A fresh matcher over a compiled grammar: one per sample (n > 1 samples never share one)."""
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
