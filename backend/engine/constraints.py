@@ -112,6 +112,27 @@ def parse_guided(key: str, value: Any) -> Constraint | None:
     return Constraint(kind, _spec(kind, value))
 
 
+def _length_bounds_as_patterns(schema_text: str) -> str:
+    """The schema with each string's minLength/maxLength (where it has no pattern) written as the pattern
+    ^[\\s\\S]{min,max}$. xgrammar 0.2.9 lowers length-bounded strings to a bare character class that admits raw
+    control characters and no escapes (mlc-ai/xgrammar#800, fix open as #880), so its output need not parse
+    as JSON; its pattern path escapes JSON strings correctly, and the two say the same of the decoded string."""
+    schema = json.loads(schema_text)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        if ("minLength" in node or "maxLength" in node) and "pattern" not in node and node.get("type") in ("string", None):
+            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+            node["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+    return json.dumps(schema, ensure_ascii=False)
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the choices (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -144,7 +165,7 @@ class ConstraintCompiler:
         compiler = self._xgrammar_compiler()
         kind, spec = constraint.kind, constraint.spec
         if kind == "json":
-            return compiler.compile_json_schema(spec, any_whitespace=constraint.any_whitespace)
+            return compiler.compile_json_schema(_length_bounds_as_patterns(spec), any_whitespace=constraint.any_whitespace)
         if kind == "json_object":  # a JSON object, as OpenAI's json_object means (the builtin grammar takes any value)
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace)
         if kind == "regex":

@@ -90,3 +90,51 @@ def test_a_bad_constraint_is_refused_at_once_naming_what_is_wrong(engine, extra,
         engine.make_request("bad", "Hello", params(extra, None))
     ok = engine.make_request("ok", "Hello", params({"guided_choice": ["yes", "no"]}, None))  # the engine serves on
     assert "".join(o.text for o in engine.generate([ok])["ok"]) in ("yes", "no")
+
+
+# ---- property: random schemas -------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+LEAVES = st.one_of(
+    st.just({"type": "boolean"}),
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 100)),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda values: {"enum": values}, st.lists(st.sampled_from(["x", "yy", 3, True, None]), min_size=1,
+                                                        max_size=3, unique=True)),
+    st.just({"type": "null"}),
+)
+
+
+def _object(props: dict, required: list[bool]) -> dict:
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            "required": [name for name, needed in zip(props, required) if needed]}
+
+
+SCHEMAS = st.recursive(
+    LEAVES,
+    lambda inner: st.one_of(
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(0, 3)),
+        st.dictionaries(st.sampled_from(["a", "b", "key", "v1"]), inner, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(
+                lambda req: _object(props, req))),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=SCHEMAS, seed=st.integers(0, 2**31 - 1), lora=st.sampled_from([None, "demo-a", "demo-b"]))
+def test_every_sampled_output_that_ends_by_itself_validates_against_its_random_schema(engine, schema, seed, lora):
+    # sampled (temperature 1, seeded), whitespace compact so outputs end within the token budget
+    constraint = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    request = engine.make_request("p", "JSON:", params(constraint, lora, temperature=1.0, seed=seed, n=2,
+                                                       max_tokens=96))
+    outs = engine.generate([request])["p"]
+    for index in (0, 1):
+        mine = [o for o in outs if o.index == index]
+        assert mine[-1].error is None
+        if mine[-1].finish_reason == "stop":
+            jsonschema.validate(json.loads("".join(o.text for o in mine)), schema)
