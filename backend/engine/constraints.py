@@ -112,25 +112,22 @@ def parse_guided(key: str, value: Any) -> Constraint | None:
     return Constraint(kind, _spec(kind, value))
 
 
-def _length_bounds_as_patterns(schema_text: str) -> str:
-    """The schema with each string's minLength/maxLength (where it has no pattern) written as the pattern
-    ^[\\s\\S]{min,max}$. xgrammar 0.2.9 lowers length-bounded strings to a bare character class that admits raw
-    control characters and no escapes (mlc-ai/xgrammar#800, fix open as #880), so its output need not parse
-    as JSON; its pattern path escapes JSON strings correctly, and the two say the same of the decoded string."""
-    schema = json.loads(schema_text)
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack.extend(node.values())
-        if ("minLength" in node or "maxLength" in node) and "pattern" not in node and node.get("type") in ("string", None):
-            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-            node["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
-    return json.dumps(schema, ensure_ascii=False)
+# xgrammar 0.2.9 lowers a string with minLength/maxLength to repetitions of this bare character class, which
+# admits raw control characters and no escapes (mlc-ai/xgrammar#800, fix open as #880): its output need not
+# parse as JSON. Each repetition becomes one JSON character instead, unescaped or escaped, as in the fix.
+_BARE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\] | "\\\\" basic_escape'
+
+
+def _json_schema_grammar(schema_text: str, any_whitespace: bool):
+    """The schema's grammar as xgrammar builds it, with length-bounded strings made of JSON characters."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace)
+    text = str(grammar)
+    if _BARE_STRING_CHAR not in text or "basic_escape ::=" not in text:
+        return grammar
+    return text.replace(_BARE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -165,7 +162,7 @@ class ConstraintCompiler:
         compiler = self._xgrammar_compiler()
         kind, spec = constraint.kind, constraint.spec
         if kind == "json":
-            return compiler.compile_json_schema(_length_bounds_as_patterns(spec), any_whitespace=constraint.any_whitespace)
+            return compiler.compile_grammar(_json_schema_grammar(spec, constraint.any_whitespace))
         if kind == "json_object":  # a JSON object, as OpenAI's json_object means (the builtin grammar takes any value)
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace)
         if kind == "regex":
