@@ -123,11 +123,8 @@ class ModelRunner:
                     greedy = None  # the rows zeroed: their argmax again
             sampling = sampling or _sampling_rows(seqs)
             params, generators, random_rows, wants_logprobs, min_rows, grammar_rows = sampling
-            if min_rows and _hold_stops(logits, min_rows, self.eos_token_ids):
-                greedy = None  # a held-back row's argmax again
-            if grammar_rows:
-                self._grammar_mask().apply(logits, grammar_rows)
-                greedy = None  # a constrained row's argmax again
+            if self._restrict(logits, min_rows, grammar_rows):
+                greedy = None  # a restricted row's argmax again
             tokens = sample_tokens(logits, params, generators, random_rows, greedy)
             if wants_logprobs:
                 chosen, tops = token_logprobs(logits, tokens, [p.logprobs for p in params])
@@ -154,10 +151,15 @@ class ModelRunner:
                 out.logprobs[i], out.top_logprobs[i] = chosen[j], tops[j]
         return out
 
-    def _grammar_mask(self) -> grammar_mask.GrammarMask:
-        if self._grammar is None:
-            self._grammar = grammar_mask.GrammarMask(self.model.vocab_size, self.device)
-        return self._grammar
+    def _restrict(self, logits: torch.Tensor, min_rows: list, grammar_rows: list) -> bool:
+        """-inf where a row may not sample: its stop tokens below its min_tokens, the tokens its grammar refuses
+        next. True if any row was restricted."""
+        held = bool(min_rows) and _hold_stops(logits, min_rows, self.eos_token_ids)
+        if grammar_rows:
+            if self._grammar is None:
+                self._grammar = grammar_mask.GrammarMask(self.model.vocab_size, self.device)
+            self._grammar.apply(logits, grammar_rows)
+        return held or bool(grammar_rows)
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """The first rows of the reused logits buffer (grown as needed) on the CPU; None elsewhere."""
