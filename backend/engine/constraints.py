@@ -4,19 +4,21 @@ parsed from vLLM's keys and compiled by xgrammar off the engine loop, bounded in
 The spelling is vLLM's: ``structured_outputs`` is an object (or a JSON string of one) with exactly one of
 ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` (and optionally ``disable_any_whitespace``);
 the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` keys say the same.
-Compiled grammars are cached by xgrammar's compiler (one per engine, so per tokenizer), up to
-``CACHE_BYTES``; a constraint already compiled costs nothing more.
+Compiled grammars are kept in an LRU per engine (so per tokenizer), keyed by the constraint, up to
+``CACHE_BYTES`` of xgrammar's own accounting: a constraint already compiled costs a dict lookup, never
+a compile thread nor a tenant's compile allowance.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.exceptions import InvalidRequest
+from loraplex.exceptions import InvalidRequest, QuotaExceeded
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -24,7 +26,8 @@ MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex, grammar or the choices toge
 MAX_CHOICES = 1024
 COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused
 COMPILE_THREADS = 2  # compiles at once, per engine; more wait their turn (within their timeout)
-CACHE_BYTES = 256 * 1024 * 1024  # xgrammar's cache of compiled grammars (least recently used go first)
+MAX_COMPILES_PER_TENANT = 1  # a tenant's compiles in flight (running or waiting): one tenant never holds both threads
+CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept (least recently used go first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +148,10 @@ class ConstraintCompiler:
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="loraplex-grammar")
-        self.compiled = 0  # constraints compiled (cache hits included)
+        self._in_flight: dict[str, int] = {}  # tenant -> compiles running or waiting (under _lock)
+        self._cache: OrderedDict[Constraint, object] = OrderedDict()  # least recently used first (under _lock)
+        self._cache_bytes = 0
+        self.compiled = 0  # constraints compiled (cache hits not counted)
 
     def _xgrammar_compiler(self):
         with self._lock:
@@ -154,8 +160,7 @@ class ConstraintCompiler:
 
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stop_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
-                                                     cache_limit_bytes=CACHE_BYTES)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _compile_now(self, constraint: Constraint):
@@ -171,10 +176,22 @@ class ConstraintCompiler:
             return compiler.compile_grammar(_choice_grammar(json.loads(spec)))
         return compiler.compile_grammar(spec)
 
-    def compile(self, constraint: Constraint):
+    def compile(self, constraint: Constraint, tenant: str = "default"):
         """The constraint's xgrammar CompiledGrammar; raises InvalidRequest when xgrammar refuses it (an invalid
-        schema, an unsupported feature, a regex or grammar that does not parse) or it takes over timeout_s."""
+        schema, an unsupported feature, a regex or grammar that does not parse) or it takes over timeout_s, and
+        QuotaExceeded when the tenant has MAX_COMPILES_PER_TENANT compiles in flight already (so one tenant's
+        slow constraints cannot hold every compile thread, nor every thread waiting for one)."""
+        with self._lock:
+            cached = self._cache.get(constraint)
+            if cached is not None:
+                self._cache.move_to_end(constraint)
+                return cached
+            if self._in_flight.get(tenant, 0) >= MAX_COMPILES_PER_TENANT:
+                raise QuotaExceeded(f"{MAX_COMPILES_PER_TENANT} structured-output constraints of this tenant are "
+                                    "compiling; retry when they are done")
+            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
         future = self._pool.submit(self._compile_now, constraint)
+        future.add_done_callback(lambda _: self._done(tenant))  # counted until the compile ends, not the wait
         try:
             compiled = future.result(self.timeout_s)
         except FutureTimeout:
@@ -182,8 +199,27 @@ class ConstraintCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InvalidRequest(f"{constraint.describe()} is not valid: {message[:300]}") from None
-        self.compiled += 1
+        self._remember(constraint, compiled)
         return compiled
+
+    def _remember(self, constraint: Constraint, compiled) -> None:
+        """Cache a compiled grammar, dropping the least recently used past CACHE_BYTES."""
+        size = compiled.memory_size_bytes
+        with self._lock:
+            self.compiled += 1
+            if constraint in self._cache or size > CACHE_BYTES:
+                return
+            self._cache[constraint] = compiled
+            self._cache_bytes += size
+            while self._cache_bytes > CACHE_BYTES:
+                _, dropped = self._cache.popitem(last=False)
+                self._cache_bytes -= dropped.memory_size_bytes
+
+    def _done(self, tenant: str) -> None:
+        with self._lock:
+            left = self._in_flight.pop(tenant) - 1
+            if left:
+                self._in_flight[tenant] = left
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -234,7 +234,7 @@ class LLMEngine:
             )
         request = Request(request_id, prompt, ids, params, tenant, limits=limits)
         if params.structured_outputs is not None:  # compiled here, on the caller's thread, within its bound
-            request.grammar = self.constraints.compile(params.structured_outputs)
+            request.grammar = self.constraints.compile(params.structured_outputs, tenant)
         if params.lora_name:
             request.adapter_key, path, uploaded = self.catalog.resolve(tenant, params.lora_name)
             request.adapter_path = path if uploaded else None
