@@ -1,4 +1,4 @@
-"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health.
 
 Requests pass ``intake.Intake`` first (request id, bounded body, cancel on disconnect); bodies are
 parsed here against ``Limits``; chat templates render on the ``RenderPool``, never on the loop.
@@ -27,7 +27,9 @@ from loraplex.openai.limits import Limits
 from loraplex.openai.offload import RenderPool
 from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loraplex.openai.responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
-                        completion_choice, new_id, role_chunk_choice, sse)
+                        completion_choice, new_id, role_chunk_choice, sse, tool_chunk_choices)
+from loraplex.openai.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from loraplex.openai.tool_output import ToolOutput
 from loraplex.openai.triton_stream import TritonClient
 
 log = logging.getLogger("loraplex.openai")
@@ -61,7 +63,7 @@ def identity_headers(request: Request) -> dict[str, str]:
 
 
 def _error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 def _validation_message(errors: list) -> tuple[str, str | None]:
@@ -126,11 +128,19 @@ class Gateway:
         data += [{"id": name, **card, "root": name, "parent": base} for name in adapters]
         return {"object": "list", "data": data}
 
-    async def chat_prompt(self, body: ChatCompletionRequest, params: dict) -> str:
+    async def check_model(self, model: str | None, headers: dict) -> None:
+        """Authenticate the caller with Triton (lora_adapters' list); 404 unless ``model`` is one it may use."""
+        adapters = await self.triton.visible_adapters(headers)
+        lora = self.lora_name(model)
+        if lora is not None and lora not in adapters:
+            raise OpenAIError(404, f"The model {lora[:200]!r} does not exist", "invalid_request_error", "model",
+                              "model_not_found")
+
+    async def chat_prompt(self, body: ChatCompletionRequest, params: dict, tools: list[dict] | None = None) -> str:
         """The chat's prompt text, rendered on the pool; sets ``params``' default max_tokens when it has none."""
         context = self.settings.max_model_len if "max_tokens" not in params else None
         text, used = await self.pool.run(self.renderer.prompt, body.messages, body.add_generation_prompt,
-                                         body.chat_template_kwargs, context)
+                                         body.chat_template_kwargs, context, tools)
         if "max_tokens" not in params:
             limit = self.settings.default_max_tokens
             params["max_tokens"] = max(1, min(limit, context - used)) if used is not None else limit
@@ -178,6 +188,11 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
     app = FastAPI(title="loraplex-openai", lifespan=lifespan)
     app.state.gateway = gw
     app.add_middleware(Intake, max_body_bytes=limits.max_body_bytes)
+
+    def tokenizer_needed() -> ChatRenderer:
+        if renderer is None:
+            raise bad_request("this gateway has no tokenizer (start it with --model-dir)", "model")
+        return renderer
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request, exc: OpenAIError):
@@ -247,14 +262,16 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         body = await parse_body(request, ChatCompletionRequest, limits)
         params = body.sampling_parameters(None)
         limits.check_choices(1, body.n)
-        prompt = await gw.chat_prompt(body, params)
+        tools, choice = body.tool_plan()
+        prompt = await gw.chat_prompt(body, params, tools if choice != "none" else None)
+        parsed = ToolOutput(choice, {t["function"]["name"] for t in tools}) if choice != "none" else None
         top = (body.top_logprobs or 0) if body.logprobs else None
         generation = gw.start(request, body, [prompt], params, top is not None)
         await generation.start()
         env = Envelope(new_id("chatcmpl"), body.model or settings.base_model, "chat.completion")
         tally = Tally(1, body.n)
         if not body.stream:
-            return chat_body(env, await _collect(generation, tally), top)
+            return chat_body(env, await _collect(generation, tally), top, parsed)
         env.object = "chat.completion.chunk"
         usage_field = {"usage": None} if body.include_usage() else {}
 
@@ -262,11 +279,28 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
             yield sse(env.wrap([role_chunk_choice(k) for k in range(body.n)], **usage_field))
             async for index, delta in generation.deltas():
                 changes = tally.add(index, delta)
-                if changes:
-                    yield sse(env.wrap([chat_chunk_choice(c, top) for c in changes], **usage_field))
+                choices = [chat_chunk_choice(c, top) for c in changes] if parsed is None else \
+                    [part for c in changes for part in tool_chunk_choices(c, top, parsed)]
+                if choices:
+                    yield sse(env.wrap(choices, **usage_field))
             if body.include_usage():
                 yield sse(env.wrap([], usage=tally.usage()))
 
         return _event_stream(events(), generation)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = await parse_body(request, TokenizeRequest, limits)
+        tools = body.checked_tools()
+        await gw.check_model(body.model, identity_headers(request))
+        ids, strs = await gw.pool.run(tokenize, tokenizer_needed(), body, tools)
+        return {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids,
+                "token_strs": strs if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        body = await parse_body(request, DetokenizeRequest, limits)
+        await gw.check_model(body.model, identity_headers(request))
+        return {"prompt": await gw.pool.run(detokenize, tokenizer_needed(), body.tokens)}
 
     return app

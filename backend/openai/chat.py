@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loraplex.openai.errors import bad_request, client_text
+from loraplex.openai.tools import template_messages
 
 log = logging.getLogger("loraplex.openai")
 COUNT_CHARS_PER_TOKEN = 32  # a prompt's first context x 32 characters are counted; more only if they hold fewer tokens
@@ -37,15 +38,25 @@ class ChatRenderer:
         """Whether the checkpoint ships a chat template."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` variable (else tools go in a fallback system prompt)."""
+        return "tools" in str(getattr(self.tokenizer, "chat_template", None) or "")
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text for ``messages``; 400 when there is no template or it refuses the messages."""
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``, tools.py); 400 when there is no template or it refuses
+        the messages."""
         from jinja2 import TemplateError
 
         if not self.has_template:
             raise bad_request("the served model has no chat template; use /v1/completions with a plain prompt",
                               "messages")
         variables = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+        reads_tools = self.reads_tools
+        messages = template_messages(messages, tools, reads_tools)
+        if tools and reads_tools:
+            variables["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **variables)
         except TemplateError as exc:  # the template's raise_exception, or a message shape it cannot read
@@ -65,9 +76,9 @@ class ChatRenderer:
         return len(self.tokenizer(text).input_ids)  # over 32 characters a token: rare, and bounded by the body
 
     def prompt(self, messages: Sequence[Any], add_generation_prompt: bool, template_kwargs: dict[str, Any],
-               context: int | None) -> tuple[str, int | None]:
+               context: int | None, tools: list[dict] | None = None) -> tuple[str, int | None]:
         """One chat request's work: its messages' prompt text, and its tokens up to ``context`` (None: not counted)."""
-        text = self.render([m.as_template_input() for m in messages], add_generation_prompt, template_kwargs)
+        text = self.render([m.as_template_input() for m in messages], add_generation_prompt, template_kwargs, tools)
         return text, (self.count_tokens(text, context) if context else None)
 
     def without_extra_bos(self, text: str) -> str:

@@ -25,6 +25,7 @@ UNAVAILABLE_TEXTS = (
 )
 
 
+RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header's seconds on these statuses (OpenAI's SDKs honour it)
 MAX_CLIENT_TEXT = 4096  # lora_llm's messages are cut at 2,000 characters; nothing longer is its own
 _ADDRESSES_AND_PATHS = re.compile(
     r"[a-z][a-z0-9+.-]*://\S+"  # URLs
@@ -56,6 +57,11 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         """The JSON body OpenAI's clients parse."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` on a 429 or 503."""
+        seconds = RETRY_AFTER_S.get(self.status)
+        return {"Retry-After": str(seconds)} if seconds is not None else {}
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:

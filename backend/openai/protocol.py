@@ -14,7 +14,9 @@ from pydantic_core import PydanticCustomError
 from loraplex.openai.errors import bad_request
 from loraplex.openai.limits import Limits
 from loraplex.openai.template_inputs import template_variables
+from loraplex.openai.tools import MAX_TOOLS, ToolError, call_schema, check_tools, chosen
 
+GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older spelling
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (and vLLM's)
 DEFAULT_LIMITS = Limits()
 
@@ -67,6 +69,13 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     repetition_penalty: float | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (checked by the engine)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
@@ -98,7 +107,38 @@ class SamplingFields(BaseModel):
             params["n"] = self.n
         if self.stop:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        params.update(self.constraint_params())
         return params
+
+    def constraint_params(self) -> dict[str, Any]:
+        """The structured-output keys for lora_llm: response_format as ``structured_outputs``, vLLM's own keys as
+        they are (the engine refuses two of them, and names what is wrong in a schema, regex or grammar)."""
+        params = {key: getattr(self, key) for key in ("structured_outputs", *GUIDED_KEYS)
+                  if getattr(self, key) is not None}
+        wanted = response_format_constraint(self.response_format)
+        if wanted is not None:
+            if params:
+                raise bad_request(f"response_format and {next(iter(params))} were both given; give one",
+                                  "response_format")
+            params["structured_outputs"] = wanted
+        return params
+
+
+def response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as vLLM's ``structured_outputs`` (None for text)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_request(f"response_format type {str(kind)[:40]!r} is not supported (text, json_object, "
+                          "json_schema)", "response_format")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    return {"json": schema}  # strict or not, the output fits the schema (the grammar enforces it)
 
 
 class CompletionRequest(SamplingFields):
@@ -174,8 +214,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # auto may return several calls; required and a named one return one
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for the template (a request-supplied template is refused: template_inputs.py)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -186,6 +227,12 @@ class ChatCompletionRequest(SamplingFields):
     def _bounded_messages(cls, value: Any, info: ValidationInfo) -> Any:
         """The messages are counted before each is validated."""
         return _bounded_list(value, _limits(info).max_messages, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_tools(cls, value: Any) -> Any:
+        """The tools are counted before each is validated."""
+        return _bounded_list(value, MAX_TOOLS, "tools")
 
     @field_validator("chat_template", mode="before")
     @classmethod
@@ -208,17 +255,29 @@ class ChatCompletionRequest(SamplingFields):
     def sampling_parameters(self, default_max_tokens: int | None) -> dict[str, Any]:
         """lora_llm's sampling_parameters; ``default_max_tokens`` applies when neither max field is given."""
         self.check_supported()
-        if self.tools or self.functions:
-            raise bad_request("tools and functions are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
+        if self.functions:
+            raise bad_request("functions (the deprecated form) is not supported; use tools", "functions")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         given = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = self.common_params(default_max_tokens if given is None else given)
         if self.logprobs:
             params["logprobs"] = self.top_logprobs or 0
+        tools, choice = self.tool_plan()
+        if choice not in ("none", "auto"):
+            if "structured_outputs" in params or any(k in params for k in GUIDED_KEYS):
+                raise bad_request("tool_choice that forces a call cannot be combined with response_format or "
+                                  "structured outputs", "tool_choice")
+            params["structured_outputs"] = {"json": call_schema(tools, choice)}
         return params
+
+    def tool_plan(self) -> tuple[list[dict], str]:
+        """(the checked tools, the choice: "none", "auto", "required" or a tool's name); 400 naming what is wrong."""
+        try:
+            tools = check_tools(self.tools) if self.tools else []
+            return tools, chosen(self.tool_choice, tools)
+        except ToolError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
 
 # ---- lora_llm's logprobs (per token: {token_id: {logprob, rank, decoded_token}}, chosen first) -------------

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from loraplex.openai.protocol import chat_logprobs, completion_logprobs, usage
+from loraplex.openai.tool_output import ToolOutput
 from loraplex.openai.triton_stream import Delta
 
 
@@ -128,11 +129,14 @@ def chat_logprobs_object(entries: list[dict], top: int | None) -> dict | None:
     return {"content": chat_logprobs(entries, top)} if top is not None else None
 
 
-def chat_body(env: Envelope, tally: Tally, top: int | None) -> dict:
-    """The non-streamed /v1/chat/completions body."""
-    choices = [{"index": k, "message": {"role": "assistant", "content": text},
-                "logprobs": chat_logprobs_object(tally.logprobs[k], top), "finish_reason": tally.finish[k]}
-               for k, text in enumerate(tally.texts)]
+def chat_body(env: Envelope, tally: Tally, top: int | None, tools: ToolOutput | None = None) -> dict:
+    """The non-streamed /v1/chat/completions body (tool calls parsed out of each choice when ``tools``)."""
+    choices = []
+    for k, text in enumerate(tally.texts):
+        message, finish = (tools.message(text, tally.finish[k]) if tools is not None
+                           else ({"role": "assistant", "content": text}, tally.finish[k]))
+        choices.append({"index": k, "message": message, "logprobs": chat_logprobs_object(tally.logprobs[k], top),
+                        "finish_reason": finish})
     return env.wrap(choices, usage=tally.usage())
 
 
@@ -141,6 +145,14 @@ def chat_chunk_choice(change: ChoiceDelta, top: int | None) -> dict:
     delta = {"content": change.text} if change.text else {}
     logprobs = chat_logprobs_object(change.logprobs, top) if change.logprobs else None
     return {"index": change.index, "delta": delta, "logprobs": logprobs, "finish_reason": change.finish_reason}
+
+
+def tool_chunk_choices(change: ChoiceDelta, top: int | None, tools: ToolOutput) -> list[dict]:
+    """The streamed chat choices for one change when tool calls are parsed (tool_output.py)."""
+    logprobs = chat_logprobs_object(change.logprobs, top) if change.logprobs else None
+    parts = tools.stream(change.index, change.text, change.finish_reason) or ([({}, None)] if logprobs else [])
+    return [{"index": change.index, "delta": delta, "logprobs": logprobs if i == 0 else None, "finish_reason": finish}
+            for i, (delta, finish) in enumerate(parts)]
 
 
 def role_chunk_choice(index: int) -> dict:

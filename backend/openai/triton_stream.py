@@ -10,7 +10,6 @@ and Triton cancels the request: the engine frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import ast
 import json
 import logging
 import uuid
@@ -22,13 +21,14 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from loraplex.clients.generate import decode_response
 
-from loraplex.openai.errors import NOT_FOUND_TEXT, OpenAIError, from_rpc, from_triton, internal_error
+from loraplex.openai.errors import OpenAIError, from_rpc, from_triton, unavailable
 
 log = logging.getLogger("loraplex.openai")
 
 MODEL = "lora_llm"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-PROBE_ADAPTER = "loraplex-openai/probe"  # no adapter can have this name: a store folder cannot hold '/'
+ADAPTERS_MODEL = "lora_adapters"
+LIST_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -77,20 +77,17 @@ def build_request(prompt: str, params: dict, logprobs: bool, model: str = MODEL,
     return request
 
 
-def parse_adapter_list(message: str) -> list[str]:
-    """The names in ``... we currently support ['a', 'b']`` (a list cut at the message limit keeps its whole names)."""
-    text = message.split(NOT_FOUND_TEXT, 1)[1].strip()
-    try:
-        return list(ast.literal_eval(text))
-    except (ValueError, SyntaxError):  # truncated by the server (" ..."): keep the names that are complete
-        names = []
-        for part in text.lstrip("[").split(", "):
-            try:
-                value = ast.literal_eval(part)
-            except (ValueError, SyntaxError):
-                break
-            names.append(value)
-        return names
+def list_request(model: str = ADAPTERS_MODEL) -> service_pb2.ModelInferRequest:
+    """lora_adapters' ``list`` action (the caller's uploads and the shared names)."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
+    request.inputs.append(_tensor("action", "list"))
+    request.outputs.add(name="result")
+    return request
+
+
+def visible_names(result: dict) -> list[str]:
+    """The adapter names a ``list`` result says the caller may use: its uploads and the shared ones, sorted."""
+    return sorted({a["name"] for a in result.get("adapters", [])} | set(result.get("shared", [])))
 
 
 class TritonClient:
@@ -164,13 +161,13 @@ class TritonClient:
                 call.cancel()
 
     async def visible_adapters(self, headers: dict[str, str]) -> list[str]:
-        """The adapters the caller may use, as lora_llm itself lists them for a name it does not serve."""
+        """The adapters the caller may use, from lora_adapters' ``list`` (authenticated as every request is)."""
         try:
-            async for _ in self.generate("x", {"max_tokens": 1, "lora_name": PROBE_ADAPTER}, headers):
-                pass
-        except OpenAIError as exc:
-            if exc.status == 404:
-                return parse_adapter_list(exc.message)
-            raise
-        log.error("lora_llm served the probe adapter %r; cannot list adapters", PROBE_ADAPTER)
-        raise internal_error("-")
+            reply = await self.stub().ModelInfer(list_request(), metadata=tuple(headers.items()),
+                                                 timeout=LIST_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise unavailable(f"{ADAPTERS_MODEL} is not served by this Triton; cannot list adapters") from None
+            raise from_rpc(exc) from None
+        raw = InferResult(reply).as_numpy("result").reshape(-1)[0]
+        return visible_names(json.loads(raw))

@@ -23,7 +23,7 @@ from loraplex.engine.metrics import UPLOADS, TenantLabels
 from loraplex.exceptions import InvalidRequest
 from loraplex.tenancy.tenants import TenantResolver
 from loraplex.triton.metrics_publisher import make_metrics
-from loraplex.triton.model_config import engine_config_from_model_config
+from loraplex.triton.model_config import engine_config_from_model_config, generate_model_multi_lora
 
 log = logging.getLogger("loraplex.triton.adapters")
 
@@ -103,6 +103,8 @@ class TritonPythonModel:
         logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"))
         model_config = json.loads(args["model_config"])
         self.config = engine_config_from_model_config(model_config, Path(args["model_repository"]))
+        self.multi_lora = {**generate_model_multi_lora(model_config, Path(args["model_repository"]), self.config),
+                           **self.config.multi_lora}  # the shared adapters lora_llm serves besides the store's
         self.tenants = TenantResolver.from_env()
         self._store = None
         self._store_lock = threading.Lock()
@@ -156,9 +158,9 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[name] = _scalar(name, tensor.as_numpy())
         action, args = parse_adapter_request(inputs)
-        store = self._store_now()
         if action == "list":
-            return {"adapters": [a.to_json() for a in store.list(tenant.name)]}
+            return self._list(tenant.name)
+        store = self._store_now()
         if action == "info":
             return store.info(tenant.name, args["name"]).to_json()
         if action == "delete":
@@ -170,6 +172,15 @@ class TritonPythonModel:
                               self.config.max_lora_rank).to_json()
         self._count_upload(tenant)
         return result
+
+    def _list(self, tenant: str) -> dict:
+        """The tenant's uploads, and the names of the shared adapters every tenant may use (no store: none of
+        the first, the multi_lora.json ones of the second)."""
+        if not self.config.adapter_store:
+            return {"adapters": [], "shared": sorted(self.multi_lora)}
+        store = self._store_now()
+        return {"adapters": [a.to_json() for a in store.list(tenant)],
+                "shared": sorted(set(store.shared()) | set(self.multi_lora))}
 
     def _count_upload(self, tenant) -> None:
         if self.metrics is None:

@@ -31,6 +31,16 @@ def multi_lora_for(model_config: dict, model_dir: Path, version: str, config: En
     return load_multi_lora(model_dir / version / "multi_lora.json")
 
 
+def generate_model_multi_lora(model_config: dict, model_dir: Path, config: EngineConfig,
+                              generate_model: str = "lora_llm") -> dict[str, str]:
+    """From a sibling model of the repository (lora_adapters): the multi_lora.json of ``generate_model``'s
+    highest numbered version (Triton's default policy serves the latest), when it serves this base model."""
+    folder = model_dir.parent / generate_model
+    versions = sorted((int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
+        if folder.is_dir() else []
+    return multi_lora_for(model_config, folder, str(versions[0]), config) if versions else {}
+
+
 def engine_config_from_model_config(model_config: dict, model_dir: Path) -> EngineConfig:
     """Config parameters of config.pbtxt (engine_config JSON, model_dir), then env overrides."""
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}

@@ -14,7 +14,7 @@ from loraplex.openai.errors import OpenAIError, from_triton
 from loraplex.openai.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                       completion_logprobs)
 from loraplex.openai.responses import Tally
-from loraplex.openai.triton_stream import Delta, TritonClient, parse_adapter_list
+from loraplex.openai.triton_stream import Delta, TritonClient, visible_names
 from loraplex.exceptions import AUTH_ERROR
 from loraplex.launch.tritonserver import free_ports
 
@@ -36,11 +36,16 @@ def test_triton_messages_map_to_openai_statuses(message, status, code):
     assert error.body() == {"error": {"message": message, "type": error.type, "param": error.param, "code": code}}
 
 
-def test_adapter_list_from_the_not_found_text_whole_and_cut():
-    assert parse_adapter_list("LoRA x is not supported, we currently support ['a', \"b'c\", 'd-e']") == ["a", "b'c",
-                                                                                                         "d-e"]
-    assert parse_adapter_list("LoRA x is not supported, we currently support []") == []
-    assert parse_adapter_list("LoRA x is not supported, we currently support ['a', 'bb', 'cc ...") == ["a", "bb"]
+def test_visible_adapters_are_the_callers_uploads_and_the_shared_ones_sorted():
+    result = {"adapters": [{"name": "own-b", "version": "1"}, {"name": "a", "version": "2"}],
+              "shared": ["demo-a", "a"]}
+    assert visible_names(result) == ["a", "demo-a", "own-b"]
+    assert visible_names({"adapters": []}) == []
+
+
+@pytest.mark.parametrize("status, seconds", [(429, "2"), (503, "1"), (400, None), (500, None)])
+def test_retry_after_on_429_and_503(status, seconds):
+    assert OpenAIError(status, "x").headers() == ({"Retry-After": seconds} if seconds else {})
 
 
 def test_completion_fields_become_sampling_parameters():
@@ -76,7 +81,7 @@ def test_chat_fields_become_sampling_parameters():
     assert req.sampling_parameters(None) == {"max_tokens": 5, "logprobs": 3}
     assert ChatCompletionRequest(messages=MESSAGES).sampling_parameters(100) == {"max_tokens": 100}
     for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"response_format": {"type": "json_object"}}, "response_format")):
+                          ({"response_format": {"type": "xml"}}, "response_format")):
         with pytest.raises(OpenAIError) as e:
             ChatCompletionRequest(messages=MESSAGES, **fields).sampling_parameters(16)
         assert e.value.param == param
