@@ -72,12 +72,12 @@ class SlowRenderer(ChatRenderer):
 
     slow_running = 0
 
-    def render(self, messages, add_generation_prompt=True, template_kwargs=None):
+    def render(self, messages, *args, **kwargs):
         if any(m["content"] == SLOW for m in messages):
             SlowRenderer.slow_running += 1
             time.sleep(SLOW_S)
             SlowRenderer.slow_running -= 1
-        return super().render(messages, add_generation_prompt, template_kwargs)
+        return super().render(messages, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
