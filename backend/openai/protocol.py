@@ -268,7 +268,7 @@ class ChatCompletionRequest(SamplingFields):
             if "structured_outputs" in params or any(k in params for k in GUIDED_KEYS):
                 raise bad_request("tool_choice that forces a call cannot be combined with response_format or "
                                   "structured outputs", "tool_choice")
-            params["structured_outputs"] = {"json": call_schema(tools, choice)}
+            params["structured_outputs"] = {"json": call_schema(tools, choice), "disable_any_whitespace": True}
         return params
 
     def tool_plan(self) -> tuple[list[dict], str]:

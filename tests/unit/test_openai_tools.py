@@ -120,8 +120,8 @@ def test_tools_are_bounded_before_they_are_read():
 
 def test_tool_choice_sets_the_grammar_and_response_format_maps_to_structured_outputs():
     req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER, ADD], tool_choice="required")
-    assert req.sampling_parameters(8)["structured_outputs"] == {"json": call_schema(check_tools([WEATHER, ADD]),
-                                                                                   "required")}
+    assert req.sampling_parameters(8)["structured_outputs"] == {
+        "json": call_schema(check_tools([WEATHER, ADD]), "required"), "disable_any_whitespace": True}
     assert "structured_outputs" not in ChatCompletionRequest(messages=MESSAGES, tools=[ADD]).sampling_parameters(8)
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
