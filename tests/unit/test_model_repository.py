@@ -3,7 +3,7 @@
 import json
 
 from loraplex.config import EngineConfig
-from loraplex.triton.model_config import multi_lora_for
+from loraplex.triton.model_config import generate_model_multi_lora, multi_lora_for
 
 
 def repository(tmp_path):
@@ -24,6 +24,16 @@ def test_another_base_model_does_not_inherit_them(tmp_path):
     model, config = repository(tmp_path)
     (tmp_path / "smollm2").mkdir()
     assert multi_lora_for(config, model, "1", EngineConfig(model_dir=str(tmp_path / "smollm2"))) == {}
+
+
+def test_lora_adapters_reads_the_latest_lora_llm_versions_adapters(tmp_path):
+    model, config = repository(tmp_path)
+    (model / "2").mkdir()
+    (model / "2" / "multi_lora.json").write_text(json.dumps({"demo-b": "../../adapters/demo-b"}))
+    (tmp_path / "lora_adapters").mkdir()
+    engine = EngineConfig(model_dir=str(tmp_path / "base"))
+    assert list(generate_model_multi_lora(config, tmp_path / "lora_adapters", engine)) == ["demo-b"]
+    assert generate_model_multi_lora(config, tmp_path / "lora_adapters", engine, "missing") == {}
 
 
 def test_loraplex_home_names_the_project_root(monkeypatch, tmp_path):
