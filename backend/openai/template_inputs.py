@@ -2,7 +2,7 @@
 
 A request never supplies a template (``chat_template``, anywhere, is refused) nor any other
 ``apply_chat_template`` argument (``tokenize``, ``tools``, ``documents``, ...): only the template
-variables below, each a bool or one of a few short strings. docs/decisions/010-gateway-template-inputs.md
+variables below (the request's checked ``tools`` field reaches the template through tools.py), each a bool or one of a few short strings. docs/decisions/010-gateway-template-inputs.md
 says why.
 """
 
