@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from loraplex.openai.app import Settings, create_app
-from loraplex.openai.chat import ChatRenderer
+from loraplex.openai.chat import COUNT_CHARS_PER_TOKEN, ChatRenderer
 from loraplex.openai.errors import client_text, from_rpc, from_triton
 from loraplex.openai.limits import Limits
 from loraplex.openai.offload import RenderPool
@@ -31,8 +31,8 @@ from loraplex.launch.tritonserver import free_ports
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_messages=8, max_choices=6, render_threads=2, render_timeout_s=1.0)
 MESSAGES = [{"role": "user", "content": "Hi"}]
-SLOW = "SLOW"  # a message with this content renders in SLOW_S (the fake renderer)
-SLOW_S = 3.0
+SLOW = "SLOW"  # a message with this content renders until SlowRenderer.release is set, SLOW_S at most
+SLOW_S = 15.0
 
 
 class FakeTriton:
@@ -68,28 +68,43 @@ class FakeTriton:
 
 
 class SlowRenderer(ChatRenderer):
-    """The demo tokenizer, but a message 'SLOW' takes SLOW_S to render (a thread that cannot be stopped)."""
+    """The demo tokenizer, but a message 'SLOW' renders until released (a thread that cannot be stopped)."""
 
     slow_running = 0
+    renders = 0
+    release = threading.Event()
 
     def render(self, messages, *args, **kwargs):
+        SlowRenderer.renders += 1
         if any(m["content"] == SLOW for m in messages):
             SlowRenderer.slow_running += 1
-            time.sleep(SLOW_S)
+            SlowRenderer.release.wait(SLOW_S)
             SlowRenderer.slow_running -= 1
         return super().render(messages, *args, **kwargs)
 
 
+def ended_calls(app, ended: set):
+    """``app``, adding each HTTP call's client address to ``ended`` once the app returned from it."""
+    async def counted(scope, receive, send):
+        try:
+            return await app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                ended.add(tuple(scope["client"]))
+    return counted
+
+
 @pytest.fixture(scope="module")
 def served(demo):
-    """(base URL, FakeTriton) of a gateway on uvicorn in a thread, with LIMITS."""
+    """(base URL, FakeTriton) of a gateway on uvicorn in a thread, with LIMITS; triton.ended: calls the app ended."""
     import uvicorn
 
     (port,) = free_ports(1)
     triton = FakeTriton()
+    triton.ended = set()
     settings = Settings(triton_url="unused:1", base_model="model", model_dir=str(demo["model"]),
                         max_model_len=1024, limits=LIMITS)
-    app = create_app(settings, triton=triton, renderer=SlowRenderer(demo["model"]))
+    app = ended_calls(create_app(settings, triton=triton, renderer=SlowRenderer(demo["model"])), triton.ended)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -222,12 +237,11 @@ NESTED_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor
 ])
 def test_a_request_never_supplies_a_template(served, fields, param):
     url, triton = served
-    before = len(triton.started)
-    t0 = time.monotonic()
-    r = post(url, "/v1/chat/completions", {"messages": MESSAGES, **fields}, timeout=10)
-    assert time.monotonic() - t0 < 5
+    before, renders = len(triton.started), SlowRenderer.renders
+    r = post(url, "/v1/chat/completions", {"messages": MESSAGES, **fields}, timeout=60)
     error = error_of(r, 400, param)
     assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param}: ")
+    assert SlowRenderer.renders == renders  # refused before any template ran
     assert len(triton.started) == before
 
 
@@ -252,9 +266,10 @@ def test_token_counts_read_a_bounded_prefix(demo):
     renderer = ChatRenderer(demo["model"])
     assert renderer.count_tokens("hello", 1024) == len(renderer.tokenizer("hello").input_ids)
     huge = "x" * (4 * 1024 * 1024)  # the byte tokenizer: one token a byte; the whole would take seconds
-    t0 = time.perf_counter()
+    tokenize, read = renderer.tokenizer, []
+    renderer.tokenizer = lambda text, *a, **kw: read.append(len(text)) or tokenize(text, *a, **kw)
     assert renderer.count_tokens(huge, 64) >= 64
-    assert time.perf_counter() - t0 < 0.5
+    assert read and sum(read) <= 64 * COUNT_CHARS_PER_TOKEN  # the prefix only, never the whole
 
 
 # ---- the render pool -------------------------------------------------------------------------------------
@@ -265,24 +280,26 @@ def test_a_slow_render_is_503_at_the_bound_and_the_loop_serves_others_meanwhile(
     def slow():
         t0 = time.monotonic()
         r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": SLOW}]})
-        results["slow"] = (r, time.monotonic() - t0)
+        results["slow"] = (r, time.monotonic() - t0, SlowRenderer.slow_running)
 
+    SlowRenderer.release.clear()
     thread = threading.Thread(target=slow)
     thread.start()
-    time.sleep(0.2)
-    assert SlowRenderer.slow_running == 1
-    t0 = time.monotonic()
-    good = post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})  # the other thread
-    health = requests.get(f"{url}/health", timeout=5)
-    served_in = time.monotonic() - t0
-    assert SlowRenderer.slow_running == 1  # both were served while the slow render ran
-    thread.join()
-    r, took = results["slow"]
-    assert good.status_code == 200 and health.status_code == 200 and served_in < LIMITS.render_timeout_s
+    try:
+        wait_until(lambda: SlowRenderer.slow_running == 1)
+        good = post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})  # the other thread
+        health = requests.get(f"{url}/health", timeout=5)
+        assert "slow" not in results  # both were served before the slow request's bound...
+        assert SlowRenderer.slow_running == 1  # ...and while its render ran
+        thread.join()
+    finally:
+        SlowRenderer.release.set()  # the abandoned thread ends before the next test
+        wait_until(lambda: SlowRenderer.slow_running == 0)
+    r, took, rendering = results["slow"]
+    assert good.status_code == 200 and health.status_code == 200
     error = error_of(r, 503, None, "render_timeout")
     assert error["type"] == "service_unavailable_error" and "--render-timeout" in error["message"]
-    assert LIMITS.render_timeout_s <= took < SLOW_S  # answered at the bound, not when the thread finished
-    time.sleep(SLOW_S)  # let the abandoned thread finish before the next test
+    assert took >= LIMITS.render_timeout_s and rendering == 1  # at the bound, while the render still ran
 
 
 def test_the_pool_runs_at_most_its_threads_and_refuses_past_its_queue():
@@ -297,17 +314,18 @@ def test_the_pool_runs_at_most_its_threads_and_refuses_past_its_queue():
         pool = RenderPool(threads=2, timeout_s=0.5)
         pool.max_admitted = 3
         jobs = [asyncio.ensure_future(pool.run(job, i)) for i in range(3)]
-        await asyncio.sleep(0.2)
-        assert sorted(started) == [0, 1]  # two threads
+        while len(started) < 2:
+            await asyncio.sleep(0.01)
+        assert len(pool._executor._threads) == 2  # two threads (all three jobs were submitted by now)
         with pytest.raises(Exception) as busy:
             await pool.run(job, 3)
         assert busy.value.status == 503 and busy.value.code == "service_unavailable"
         results = await asyncio.gather(*jobs, return_exceptions=True)
         assert all(getattr(r, "code", None) == "render_timeout" for r in results)
         gate.set()
-        await asyncio.sleep(0.2)
-        assert sorted(started) == [0, 1]  # the queued job timed out and was dropped, never run
         assert await pool.run(job, 4) == 4 and pool.admitted == 0
+        pool._executor.shutdown(wait=True)  # whatever is still queued runs before the threads end
+        assert sorted(started) == [0, 1, 4]  # the queued job timed out and was dropped, never run
         pool.close()
 
     asyncio.run(run())
@@ -343,10 +361,11 @@ def test_a_client_that_leaves_mid_body_starts_nothing(served):
     url, triton = served
     before = len(triton.started)
     sock = raw(url)
+    client = sock.getsockname()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"x\", \"max_tokens\": 1}")  # whole JSON, short body
     sock.close()
-    time.sleep(0.3)
+    wait_until(lambda: client in triton.ended)  # the gateway is done with the request
     assert len(triton.started) == before
     assert requests.get(f"{url}/health", timeout=5).status_code == 200
 
