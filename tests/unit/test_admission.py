@@ -14,11 +14,12 @@ from loraplex.triton.admission import AdmissionPool, Job
 class Recorder:
     def __init__(self):
         self.lock = threading.Lock()
-        self.ran, self.failed = [], []
-        self.done = threading.Event()
+        self.started, self.ran, self.failed = [], [], []
 
     def job(self, tenant, name, seconds=0.0, size=1, release: threading.Event | None = None) -> Job:
         def run():
+            with self.lock:
+                self.started.append((name, time.monotonic()))
             if release is not None:
                 release.wait(10)
             time.sleep(seconds)
@@ -31,31 +32,38 @@ class Recorder:
 
         return Job(tenant, size, run, fail)
 
-    def wait_for(self, name, timeout=10.0) -> float:
+    def wait_for(self, name, timeout=10.0, started=False) -> float:
+        """When job ``name`` ended its run (or started it); fails after ``timeout`` (a hung test's guard)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                for ran, at in self.ran:
+                for ran, at in self.started if started else self.ran:
                     if ran == name:
                         return at
             time.sleep(0.001)
-        raise AssertionError(f"{name} did not run within {timeout} s")
+        raise AssertionError(f"{name} did not {'start' if started else 'run'} within {timeout} s")
+
+    def ended(self) -> list[str]:
+        """Names of the jobs that ran or failed, in that order."""
+        with self.lock:
+            return [n for n, _ in self.ran] + [n for n, _ in self.failed]
 
 
 def test_a_flooding_tenant_leaves_a_worker_for_the_others():
-    pool, rec = AdmissionPool(workers=2), Recorder()
+    pool, rec, gate = AdmissionPool(workers=2), Recorder(), threading.Event()
     for i in range(20):
-        pool.submit(rec.job("A", f"a{i}", seconds=0.2))  # each as slow as tokenizing a max-size prompt
-    time.sleep(0.05)
-    start = time.monotonic()
+        pool.submit(rec.job("A", f"a{i}", release=gate))  # each as slow as tokenizing a max-size prompt, or more
+    rec.wait_for("a0", started=True)
     pool.submit(rec.job("B", "b0"))
-    latency = rec.wait_for("b0") - start
-    assert latency < 0.1, latency  # not behind A's 20 x 0.2 s: A holds one worker at most
-    assert pool.backlog("A") >= 18  # A's requests run one at a time, in order
+    rec.wait_for("b0")  # while a0 still holds its worker: B is not behind A's jobs
+    assert [name for name, _ in rec.started] == ["a0", "b0"] and pool.backlog("A") == 19  # A: one at a time
+    gate.set()
     pool.close()
     rec.wait_for("a0")  # a job on a worker when the pool closes runs to its end (its own answer)
+    for thread in pool._threads:
+        thread.join(10)
     ran = [name for name, _ in rec.ran if name.startswith("a")]
-    assert ran == [f"a{i}" for i in range(len(ran))]
+    assert ran == [f"a{i}" for i in range(len(ran))]  # in order
     assert len(rec.failed) == 20 - len(ran) and all(m == "the model is shutting down; the request did not start"
                                                     for _, m in rec.failed)
 
@@ -63,7 +71,7 @@ def test_a_flooding_tenant_leaves_a_worker_for_the_others():
 def test_tenants_take_turns_one_job_each():
     pool, rec, gate = AdmissionPool(workers=1), Recorder(), threading.Event()
     pool.submit(rec.job("X", "x", release=gate))  # holds the only worker while the others queue
-    time.sleep(0.05)
+    rec.wait_for("x", started=True)
     for i in range(3):
         pool.submit(rec.job("A", f"a{i}"))
     pool.submit(rec.job("B", "b0"))
@@ -77,7 +85,7 @@ def test_tenants_take_turns_one_job_each():
 def test_the_backlog_is_bounded_per_tenant_and_a_tenant_with_none_always_gets_one_in():
     pool, rec, gate = AdmissionPool(workers=1, tenant_backlog_chars=100), Recorder(), threading.Event()
     pool.submit(rec.job("X", "x", release=gate))
-    time.sleep(0.05)
+    rec.wait_for("x", started=True)
     pool.submit(rec.job("A", "big", size=500))  # over the bound alone, but A has nothing waiting
     with pytest.raises(QuotaExceeded) as err:
         pool.submit(rec.job("A", "more", size=1))
@@ -93,16 +101,15 @@ def test_development_mode_has_a_global_bound_and_a_closed_pool_refuses():
     pool, gate = AdmissionPool(workers=1, max_backlog_chars=10), threading.Event()
     rec = Recorder()
     pool.submit(rec.job("X", "x", release=gate))
-    time.sleep(0.05)
+    rec.wait_for("x", started=True)  # on the worker: no longer in the backlog
     pool.submit(rec.job("t1", "a", size=8))
     with pytest.raises(EngineOverloaded) as err:
         pool.submit(rec.job("t2", "b", size=8))
     assert str(err.value) == "server overloaded: 8 characters of prompts are waiting to be tokenized; retry later"
-    gate.set()
-    pool.close()
+    pool.close()  # while x runs and a waits
     with pytest.raises(EngineShuttingDown):
         pool.submit(rec.job("t1", "late"))
-    rec.wait_for("x")
-    time.sleep(0.05)
-    names = sorted([n for n, _ in rec.ran] + [n for n, _ in rec.failed])
-    assert names == ["a", "x"]  # each job ended exactly once, run or failed
+    gate.set()
+    for thread in pool._threads:
+        thread.join(10)  # the workers ended: nothing more can run
+    assert sorted(rec.ended()) == ["a", "x"]  # each job ended exactly once, run or failed
