@@ -115,22 +115,24 @@ def parse_guided(key: str, value: Any) -> Constraint | None:
     return Constraint(kind, _spec(kind, value))
 
 
-# xgrammar 0.2.9 lowers a string with minLength/maxLength to repetitions of this bare character class, which
-# admits raw control characters and no escapes (mlc-ai/xgrammar#800, fix open as #880): its output need not
-# parse as JSON. Each repetition becomes one JSON character instead, unescaped or escaped, as in the fix.
+# xgrammar 0.2.9 lowers a string with minLength/maxLength to repetitions of a bare character class that admits
+# raw control characters and no escapes (mlc-ai/xgrammar#800, fix open as #880): its output need not parse as
+# JSON. Each repetition becomes one JSON character instead, unescaped or escaped, as in that fix. Its JSON
+# characters also take UTF-8-encoded surrogates (U+D800-DFFF), which are not UTF-8: a byte-level vocabulary
+# can sample them, and the text shows U+FFFD for each byte. Both classes leave them out.
 _BARE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\] | "\\\\" basic_escape'
+_BASIC_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+_JSON_CHAR = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
-def _json_schema_grammar(schema_text: str, any_whitespace: bool):
-    """The schema's grammar as xgrammar builds it, with length-bounded strings made of JSON characters."""
+def _json_schema_grammar(schema_text: str, any_whitespace: bool) -> str:
+    """The schema's grammar as xgrammar builds it, its string characters valid UTF-8 JSON characters."""
     import xgrammar as xgr
 
-    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace)
-    text = str(grammar)
-    if _BARE_STRING_CHAR not in text or "basic_escape ::=" not in text:
-        return grammar
-    return text.replace(_BARE_STRING_CHAR, _JSON_STRING_CHAR)
+    text = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace))
+    if "basic_escape ::=" in text:
+        text = text.replace(_BARE_STRING_CHAR, f'{_JSON_CHAR} | "\\\\" basic_escape')
+    return text.replace(_BASIC_STRING_CHAR, _JSON_CHAR)
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -169,7 +171,7 @@ class ConstraintCompiler:
         if kind == "json":
             return compiler.compile_grammar(_json_schema_grammar(spec, constraint.any_whitespace))
         if kind == "json_object":  # a JSON object, as OpenAI's json_object means (the builtin grammar takes any value)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace)
+            return compiler.compile_grammar(_json_schema_grammar('{"type": "object"}', constraint.any_whitespace))
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":
