@@ -32,7 +32,7 @@ class GrammarMask:
         bitmask = self._host[:n]
         for i, (_, matcher) in enumerate(rows):
             matcher.fill_next_token_bitmask(bitmask, i)
-        words = bitmask.to(self.device, non_blocking=True)
+        words = bitmask.to(self.device)
         allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(n, -1)[:, : logits.shape[1]].bool()
         index = torch.tensor([row for row, _ in rows], dtype=torch.int64, device=logits.device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
