@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import shutil
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from tiny_llama import tiny_config
 from transformers import MistralConfig, Qwen2Config
 
-from loraplex.lora.adapter import CONVERSION_HINT, LoraAdapter, check_safetensors_header, load_peft_adapter, max_adapter_tensors, max_header_bytes
+from loraplex.lora import adapter as adapter_module
+from loraplex.lora.adapter import REGEX_BUDGET_SECONDS, CONVERSION_HINT, LoraAdapter, check_safetensors_header, load_peft_adapter, max_adapter_tensors, max_header_bytes
 from loraplex.exceptions import AdapterError
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
 
@@ -465,12 +466,53 @@ SLOW = r"(.|..)+\d\d\d"  # exponential backtracking on a module name such as mod
     ("rank_pattern", {SLOW: 2}),
     ("alpha_pattern", {SLOW: 2}),
 ])
-def test_catastrophic_regexes_time_out(good, hf_config, tmp_path, field, value):
+def test_catastrophic_regexes_time_out(good, hf_config, tmp_path, field, value, monkeypatch):
     folder = copy_of(good, tmp_path)
     edit_config(folder, **{field: value})
-    t0 = time.monotonic()
+    timeouts = []
+
+    class Recorded:
+        """A compiled pattern that records the time bound of each match."""
+
+        def __init__(self, pattern):
+            self.compiled = real_regex.compile(pattern)
+
+        def __getattr__(self, method):
+            def call(key, timeout=None):
+                timeouts.append(timeout)
+                return getattr(self.compiled, method)(key, timeout=timeout)
+            return call
+
+    real_regex = adapter_module.regex
+    monkeypatch.setattr(adapter_module, "regex", SimpleNamespace(compile=Recorded, error=real_regex.error))
     expect_error(folder, hf_config, f"matching the {field} patterns took longer than 0.5 s")
-    assert time.monotonic() - t0 < 3.0
+    assert timeouts and all(t is not None and 0 <= t <= REGEX_BUDGET_SECONDS for t in timeouts)
+
+
+def test_the_regex_budget_is_one_deadline_for_the_whole_load(good, hf_config, tmp_path, monkeypatch):
+    """Matches that each end within their bound still stop the load once their sum passes the budget (fake clock)."""
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, target_modules=r".*\.q_proj")
+    clock = SimpleNamespace(now=0.0, monotonic=lambda: clock.now)
+
+    class TakesAFifth:
+        """A compiled pattern whose every match takes a fifth of the budget on the fake clock (none matches)."""
+
+        def __init__(self, pattern):
+            pass
+
+        def __getattr__(self, method):
+            def call(key, timeout=None):
+                step = REGEX_BUDGET_SECONDS / 5
+                clock.now += min(step, timeout)
+                if step >= timeout:
+                    raise TimeoutError
+            return call
+
+    monkeypatch.setattr(adapter_module, "time", clock)
+    monkeypatch.setattr(adapter_module, "regex", SimpleNamespace(compile=TakesAFifth, error=adapter_module.regex.error))
+    expect_error(folder, hf_config, "matching the target_modules patterns took longer than 0.5 s")
+    assert clock.now <= REGEX_BUDGET_SECONDS + 1e-9
 
 
 # the header bound: tensors an adapter of this base model may hold ----------------------
