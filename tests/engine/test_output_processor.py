@@ -34,12 +34,11 @@ def served(engine, requests: list, num_finals: int) -> dict:
         deadline = time.monotonic() + 30
         while engine.has_work() and time.monotonic() < deadline:  # the loop ends stopped samples next step
             time.sleep(0.01)
-        time.sleep(0.1)
-        while not delivered.empty():  # nothing may follow a request's final output
-            out = delivered.get()
-            outputs.setdefault(out.request_id, []).append(out)
     finally:
-        engine.stop()
+        engine.stop()  # joins the loop, then the output thread once it delivered all the loop handed it
+    while not delivered.empty():  # nothing may follow a request's final output
+        out = delivered.get()
+        outputs.setdefault(out.request_id, []).append(out)
     return outputs
 
 
