@@ -187,10 +187,8 @@ def test_stop_tears_down_the_process_group(tmp_path, demo):
     members = _group_members(pgid)
     assert len(members) >= 2, members  # tritonserver + the Python stub
     assert len(_guards_of(pgid)) == 1  # in its own session, outside the group
-    t0 = time.monotonic()
     rc = server.stop(grace=10)
-    assert time.monotonic() - t0 < 10
-    assert rc == server.proc.returncode is not None
+    assert rc == server.proc.returncode == 0  # it exited by itself within the grace, not killed at its end
     assert _group_members(pgid) == [] and _guards_of(pgid) == []
     assert "successfully unloaded" in server.log_path.read_text()
     assert server.stop(grace=10) == rc  # a second stop does nothing
@@ -207,9 +205,10 @@ def test_stop_kills_a_server_stuck_past_its_grace(tmp_path):
     server.start_and_wait()
     pgid = server.pid
     t0 = time.monotonic()
-    server.stop(grace=2)
-    elapsed = time.monotonic() - t0
-    assert 2 <= elapsed < 8, elapsed
+    rc = server.stop(grace=2)
+    assert time.monotonic() - t0 >= 2  # it had its grace
+    assert rc == -signal.SIGKILL  # then was killed: not left to its 30 s exit timeout or its 60 s finalize
+    assert "successfully unloaded" not in server.log_path.read_text()
     assert _group_members(pgid) == []
 
 
@@ -217,10 +216,9 @@ def test_early_exit_is_reported_with_the_log_tail(tmp_path):
     broken = "raise ImportError('model is broken on purpose')\n"
     repo = make_echo_repository(tmp_path / "repo", broken)
     server = TritonServer(repo, log_path=tmp_path / "log.txt", ready_timeout=60)
-    t0 = time.monotonic()
-    with pytest.raises(TritonServerError, match="broken on purpose"):
+    with pytest.raises(TritonServerError, match="broken on purpose") as info:
         server.start_and_wait()
-    assert time.monotonic() - t0 < 30
+    assert "exited with code" in str(info.value)  # seen when it exited, not at the ready timeout
     assert server.proc.returncode not in (None, 0)
     assert _group_members(server.pid) == []
 
@@ -407,12 +405,10 @@ def test_demo_adapters_load_with_peft(demo):
 def test_demo_is_idempotent(demo):
     from loraplex.models.builtin.demo import build_demo
 
-    st = (Path(demo["model"]) / "model.safetensors").stat()
-    t0 = time.monotonic()
+    files = {p: p.stat().st_mtime_ns for p in Path(demo["root"]).rglob("*") if p.is_file()}
     again = build_demo(demo["root"])
-    assert time.monotonic() - t0 < 2
     assert again == demo
-    assert (Path(demo["model"]) / "model.safetensors").stat().st_mtime_ns == st.st_mtime_ns
+    assert {p: p.stat().st_mtime_ns for p in Path(demo["root"]).rglob("*") if p.is_file()} == files  # none rewritten
 
 
 def test_builders_make_variants(tmp_path):
