@@ -116,12 +116,11 @@ def grpc_events(url: str, prompt: bytes, sampling, parameters: dict, stream: boo
                 seen.append(("final", None))
             else:
                 seen.append(("data", None))
-        time.sleep(0.3)  # anything after the final would arrive now
-        while not events.empty():
-            seen.append(("extra", events.get()))
     finally:
-        client.stop_stream()
+        client.stop_stream()  # returns once the server ended the stream: whatever followed the final has arrived
         client.close()
+    while not events.empty():
+        seen.append(("extra", events.get()))
     return seen
 
 
