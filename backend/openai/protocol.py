@@ -206,21 +206,15 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
+class ChatInputs(BaseModel):
+    """What a chat is rendered from (chat completions, /tokenize): messages, tools and the template's
+    allow-listed variables, each list counted before its items are validated."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # auto may return several calls; required and a named one return one
-    functions: list[Any] | None = None
     # vLLM's extras for the template (a request-supplied template is refused: template_inputs.py)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: Any = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -234,15 +228,6 @@ class ChatCompletionRequest(SamplingFields):
         """The tools are counted before each is validated."""
         return _bounded_list(value, MAX_TOOLS, "tools")
 
-    @field_validator("chat_template", mode="before")
-    @classmethod
-    def _no_template(cls, value: Any) -> None:
-        """A request never supplies a chat template."""
-        if value is not None:
-            raise _refused("a request cannot supply a chat template; the server renders chats with the served "
-                           "model's own template")
-        return None
-
     @field_validator("chat_template_kwargs", mode="after")
     @classmethod
     def _allowed_variables(cls, value: dict[str, Any] | None) -> dict[str, Any]:
@@ -251,6 +236,28 @@ class ChatCompletionRequest(SamplingFields):
             return template_variables(value)
         except ValueError as exc:
             raise _refused(str(exc)) from None
+
+
+class ChatCompletionRequest(ChatInputs, SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # auto may return several calls; required and a named one return one
+    functions: list[Any] | None = None
+    chat_template: Any = None
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _no_template(cls, value: Any) -> None:
+        """A request never supplies a chat template."""
+        if value is not None:
+            raise _refused("a request cannot supply a chat template; the server renders chats with the served "
+                           "model's own template")
+        return None
 
     def sampling_parameters(self, default_max_tokens: int | None) -> dict[str, Any]:
         """lora_llm's sampling_parameters; ``default_max_tokens`` applies when neither max field is given."""

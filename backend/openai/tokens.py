@@ -8,42 +8,22 @@ lora_llm tokenizes that prompt) and answers ``{"count", "max_model_len", "tokens
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import bad_request
-from loraplex.openai.protocol import ChatMessage, _bounded_list, _limits, _refused
-from loraplex.openai.template_inputs import template_variables
+from loraplex.openai.protocol import ChatInputs
 from loraplex.openai.tools import ToolError, check_tools
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatInputs):
     """``POST /tokenize``: a prompt, or chat messages (and their tools)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
     return_token_strs: bool = False
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _bounded_messages(cls, value: Any, info: ValidationInfo) -> Any:
-        return _bounded_list(value, _limits(info).max_messages, "messages")
-
-    @field_validator("chat_template_kwargs", mode="after")
-    @classmethod
-    def _allowed_variables(cls, value: dict[str, Any] | None) -> dict[str, Any]:
-        try:
-            return template_variables(value)
-        except ValueError as exc:
-            raise _refused(str(exc)) from None
 
     def checked_tools(self) -> list[dict] | None:
         if (self.prompt is None) == (self.messages is None):
