@@ -10,6 +10,7 @@ import json
 import queue
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,8 +66,12 @@ def decode_response(result) -> dict:
 
 
 def stream_generate(url: str, prompt: str, params: dict | None = None, headers: dict | None = None,
-                    model: str = "lora_llm", timeout: float = 120.0, **flags) -> StreamResult:
-    """Send one streaming request and collect responses until the final one (or an error)."""
+                    model: str = "lora_llm", timeout: float = 120.0,
+                    on_response: Callable[[dict], None] | None = None, **flags) -> StreamResult:
+    """Send one streaming request and collect responses until the final one (or an error).
+
+    `on_response`, if given, is called with each response that carries outputs, as it arrives.
+    """
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -84,6 +89,8 @@ def stream_generate(url: str, prompt: str, params: dict | None = None, headers: 
             response = result.get_response()
             if response.outputs:
                 collected.responses.append(decode_response(result))
+                if on_response is not None:
+                    on_response(collected.responses[-1])
             if response.parameters["triton_final_response"].bool_param:
                 collected.final_count += 1
                 return collected

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -52,17 +51,26 @@ def test_concurrent_staggered_streams_equal_peft(triton_server, demo, adapters, 
     names = [None, "demo-a", "demo-b", "demo-c"]
     jobs = [(p, names[i % 4], 8 + 3 * i) for i, p in enumerate(prompts)]
     results = [None] * len(jobs)
+    first_token = [threading.Event() for _ in jobs]
+    ended = [threading.Event() for _ in jobs]
+    joined_running = [None] * len(jobs)  # stream i was sent after i-1's first token and before i-1's end
 
     def run(i, prompt, lora, max_tokens):
-        time.sleep(0.15 * i)  # staggered arrivals join a running batch
+        if i:  # staggered arrivals join a running batch: each starts once the one before it is generating
+            joined_running[i] = first_token[i - 1].wait(120) and not ended[i - 1].is_set()
         params = dict(GREEDY, max_tokens=max_tokens, **({"lora_name": lora} if lora else {}))
-        results[i] = stream_generate(triton_server.grpc_url, prompt, params, return_logprobs=True)
+        try:
+            results[i] = stream_generate(triton_server.grpc_url, prompt, params, return_logprobs=True,
+                                         on_response=lambda _: first_token[i].set())
+        finally:
+            ended[i].set()
 
     threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
+    assert joined_running[1:] == [True] * (len(jobs) - 1), joined_running
     for (prompt, lora, max_tokens), result in zip(jobs, results):
         assert result.error is None and result.final_count == 1
         ids = tokenizer(prompt).input_ids
