@@ -31,7 +31,7 @@ from loraplex.clients.generate import stream_generate
 
 BOUND_S = 90.0  # every request ends within this (generous: 2 shared cores)
 GOOD = [("Good streams stay exact", None), ("Another tenant's stream", "demo-a")]
-GOOD_TOKENS = 30
+GOOD_TOKENS = 100  # of max_model_len 128 (24-token prompts): the good streams outlast the hostile batch's sending
 
 triton_server = make_triton_server_fixture(engine_config={"max_model_len": 128, "max_n": 4})
 # No shrinking: each example is a batch against a live server (minutes to shrink); the report shows the batch.
@@ -54,12 +54,24 @@ class GoodStreams:
     def __init__(self, server, references):
         self.server, self.references, self.results = server, references, {}
         self.threads = [threading.Thread(target=self._run, args=job) for job in GOOD]
+        self.first_token = {job: threading.Event() for job in GOOD}
+        self.ended = {job: threading.Event() for job in GOOD}
 
     def _run(self, prompt, lora):
         params = {"max_tokens": GOOD_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0,
                   **({"lora_name": lora} if lora else {})}
-        self.results[prompt, lora] = stream_generate(self.server.grpc_url, prompt, params, return_logprobs=True,
-                                                     headers={"x-tenant-id": "good"})
+        try:
+            self.results[prompt, lora] = stream_generate(
+                self.server.grpc_url, prompt, params, return_logprobs=True, headers={"x-tenant-id": "good"},
+                on_response=lambda _: self.first_token[prompt, lora].set())
+        finally:
+            self.ended[prompt, lora].set()
+
+    def running(self) -> bool:
+        """Wait until every good stream has its first token; then whether one of them is still unfinished."""
+        deadline = time.monotonic() + BOUND_S
+        started = all(e.wait(max(deadline - time.monotonic(), 0)) for e in self.first_token.values())
+        return started and not all(e.is_set() for e in self.ended.values())
 
     def __enter__(self):
         for t in self.threads:
@@ -149,8 +161,8 @@ HOSTILE_BATCH = st.lists(st.tuples(PROMPTS, st.none() | sampling_parameters(), s
 @FUZZ
 @given(batch=HOSTILE_BATCH)
 def test_hostile_grpc_requests_end_once_and_disturb_nothing(triton_server, references, batch):
-    with GoodStreams(triton_server, references):
-        time.sleep(0.5)  # the good streams are running when the hostile batch lands
+    with GoodStreams(triton_server, references) as good:
+        assert good.running()  # the good streams are running when the hostile batch lands
         results = fire(batch, lambda *job: grpc_events(triton_server.grpc_url, *job))
     for job, seen in zip(batch, results):
         assert isinstance(seen, list), (job, seen)
@@ -177,8 +189,8 @@ def http_call(server, prompt: bytes, sampling, parameters: dict, stream: bool):
 @FUZZ
 @given(batch=HOSTILE_BATCH)
 def test_hostile_http_requests_end_once_and_disturb_nothing(triton_server, references, batch):
-    with GoodStreams(triton_server, references):
-        time.sleep(0.5)
+    with GoodStreams(triton_server, references) as good:
+        assert good.running()
         results = fire(batch, lambda *job: http_call(triton_server, *job))
     for job, result in zip(batch, results):
         assert isinstance(result, tuple), (job, result)
