@@ -153,11 +153,12 @@ class _LogFollower:
 
 
 class _StopRequest:
-    """SIGINT/SIGTERM set a flag that the serving loop polls; repeats change nothing.
+    """SIGINT/SIGTERM set a flag that the serving loop polls; repeats change nothing (each says so on stderr).
 
     No exception is raised from the handler, so a signal can never cut the shutdown short
     (GNU make forwards SIGTERM to its child, so `make serve` stopped with SIGTERM sends
-    it twice) nor land between starting tritonserver and recording its pid.
+    it twice) nor land between starting tritonserver and recording its pid. The repeat's
+    line is one os.write: a print could re-enter sys.stderr's buffer mid-write and raise.
     """
 
     def __init__(self):
@@ -170,6 +171,11 @@ class _StopRequest:
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
+            return
+        try:
+            os.write(2, f"loraplex-serve: {signal.Signals(signum).name} again: already stopping\n".encode())
+        except OSError:
+            pass  # stderr gone: the repeat is still ignored
 
     def __enter__(self) -> "_StopRequest":
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}

@@ -192,6 +192,15 @@ class Launcher:
         """What it has written to stderr so far."""
         return self.err.read_text()
 
+    def wait_stderr(self, text: str, count: int = 1, timeout: float = 60.0) -> bool:
+        """Wait until stderr holds ``text`` ``count`` times; False if it exited or the timeout passed first."""
+        deadline = time.monotonic() + timeout
+        while self.stderr().count(text) < count:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return self.stderr().count(text) >= count
+            time.sleep(0.02)
+        return True
+
     def wait_serving(self, not_pid: int | None = None, timeout: float = 240.0) -> ProcInfo:
         """Wait until a tritonserver child (other than ``not_pid``) answers ready; return it."""
         deadline = time.monotonic() + timeout
