@@ -1,4 +1,5 @@
-"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health.
+"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
+/metrics.
 
 Requests pass ``intake.Intake`` first (request id, bounded body, cancel on disconnect); bodies are
 parsed here against ``Limits``; chat templates render on the ``RenderPool``, never on the loop.
@@ -219,6 +220,17 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         if await triton.ready():
             return Response(status_code=200)
         return _error_response(unavailable("lora_llm is not ready"))
+
+    @app.get("/metrics")
+    async def metrics():
+        pool = gw.pool
+        return Response("".join(
+            f"# HELP {name} {text}\n# TYPE {name} gauge\n{name} {value}\n" for name, text, value in (
+                ("loraplex_openai_render_threads", "Threads that render chat templates and count tokens.",
+                 pool.threads),
+                ("loraplex_openai_render_threads_busy", "Render threads running a job now (including jobs "
+                 "whose request already got its render_timeout 503).", pool.busy),
+            )), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):

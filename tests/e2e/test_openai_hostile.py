@@ -11,6 +11,7 @@ counts an abort while the request ahead of it still runs).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -86,6 +87,12 @@ def good_chat(gateway) -> float:
     return time.monotonic() - t0
 
 
+def render_threads_busy(gateway) -> float:
+    """The gateway's render threads running a job now (its /metrics)."""
+    text = requests.get(f"{gateway}/metrics", timeout=5).text
+    return float(re.search(r"^loraplex_openai_render_threads_busy (\S+)$", text, re.M).group(1))
+
+
 def timed(fn):
     """(result or exception, seconds) of ``fn()``."""
     t0 = time.monotonic()
@@ -119,20 +126,21 @@ def test_a_render_over_its_bound_is_503_and_the_gateway_serves_others_meanwhile(
     spin = [{"role": "user", "content": "SPIN"}]
     with ThreadPoolExecutor(3) as pool:
         attack = pool.submit(timed, lambda: hostile.chat.completions.create(model=BASE, messages=spin, max_tokens=4))
-        time.sleep(0.5)  # the spin is rendering on one of the two threads
-        t_good = time.monotonic()
+        assert _poll(lambda: render_threads_busy(gateway), 1, ATTACK_BOUND_S) == 1  # the spin renders on one thread
         chat = pool.submit(good_chat, gateway)
         completion = pool.submit(timed, lambda: client(gateway, "acme").completions.create(
             model=BASE, prompt="Hello", max_tokens=4, temperature=0))
         chat_s, (done, completion_s) = chat.result(), completion.result()
-        t_good_done = time.monotonic()
+        good_before_503 = not attack.done()
         error, took = attack.result()
+        busy_after_503 = render_threads_busy(gateway)
     assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
     assert error.body["code"] == "render_timeout" and error.body["type"] == "service_unavailable_error"
-    assert RENDER_TIMEOUT_S <= took < ATTACK_BOUND_S  # at the bound, not when the spin ends (~6 s)
+    assert RENDER_TIMEOUT_S <= took < ATTACK_BOUND_S and busy_after_503 == 1  # at the bound, while the spin ran on
     assert done.choices[0].text and completion_s < GOOD_BOUND_S and chat_s < GOOD_BOUND_S
-    assert t_good_done - t_good < 0.5 + RENDER_TIMEOUT_S  # both served before the spin's own 503 came
-    time.sleep(8)  # the spinning thread cannot be stopped: let it end before the next test
+    assert good_before_503  # both served before the spin's own 503 came
+    # the spinning thread cannot be stopped: let it end before the next test
+    assert _poll(lambda: render_threads_busy(gateway), 0, 60) == 0
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------

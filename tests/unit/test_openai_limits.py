@@ -317,15 +317,18 @@ def test_the_pool_runs_at_most_its_threads_and_refuses_past_its_queue():
         while len(started) < 2:
             await asyncio.sleep(0.01)
         assert len(pool._executor._threads) == 2  # two threads (all three jobs were submitted by now)
+        assert pool.busy == 2
         with pytest.raises(Exception) as busy:
             await pool.run(job, 3)
         assert busy.value.status == 503 and busy.value.code == "service_unavailable"
         results = await asyncio.gather(*jobs, return_exceptions=True)
         assert all(getattr(r, "code", None) == "render_timeout" for r in results)
+        assert pool.busy == 2  # answered, still running
         gate.set()
         assert await pool.run(job, 4) == 4 and pool.admitted == 0
         pool._executor.shutdown(wait=True)  # whatever is still queued runs before the threads end
         assert sorted(started) == [0, 1, 4]  # the queued job timed out and was dropped, never run
+        assert pool.busy == 0
         pool.close()
 
     asyncio.run(run())
