@@ -100,7 +100,7 @@ class LLMEngine:
             self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, lora_dtype
         )
         store = AdapterStore(config.adapter_store) if config.adapter_store else None
-        self.catalog = AdapterCatalog(store, {**(store.shared() if store else {}), **config.multi_lora})
+        self.catalog = AdapterCatalog(store, config.multi_lora)  # the store's adapters: looked up per request
         for name, path in self.catalog.shared.items():
             self.adapters.register(name, path)
         self.versions = AdapterVersions(self.adapters, max_idle=config.max_cpu_loras)

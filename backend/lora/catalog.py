@@ -1,15 +1,19 @@
 """Which adapter a request's `lora_name` means, and which versions the AdapterManager knows.
 
 A name resolves within the caller's tenant first (its uploads in the adapter store), then
-among the shared adapters (`multi_lora.json` and the folders directly under the store).
-Another tenant's adapter is never found: the caller gets the same error as for a name
-that does not exist, listing only the names it may use.
+among the shared adapters: those loaded at run time (``/v1/load_lora_adapter``, versioned in
+the store), `multi_lora.json`'s (registered at start), then the folders directly under the
+store. Every step is one pointer read or one stat, so a running server serves an adapter
+loaded or uploaded a moment ago, and resolving costs the same at 10,000 adapters as at one.
+Another tenant's adapter is never found: the caller gets the same error as for a name that
+does not exist, listing (a bounded part of) the names it may use.
 
-An upload is an immutable version folder, registered with the AdapterManager under a key
-of its own (``<tenant>/<name>@<version>``), so a request keeps the version it resolved to
-while a newer one serves new requests. ``AdapterVersions`` registers a version when a
-request first needs it and unregisters it when it is superseded (or deleted) and no
-request uses it any more, or when too many unused versions pile up.
+An upload or a run-time shared adapter is an immutable version folder, registered with the
+AdapterManager under a key of its own (``<tenant>/<name>@<version>``, ``:shared/<name>@<version>``),
+so a request keeps the version it resolved to while a newer one serves new requests; a shared
+folder of the store is registered under its name. ``AdapterVersions`` registers such a key when
+a request first needs it and unregisters it when it is superseded (or deleted) and no request
+uses it any more, or when too many unused ones pile up.
 """
 
 from __future__ import annotations
@@ -23,38 +27,75 @@ from loraplex.exceptions import AdapterNotFound
 
 log = logging.getLogger("loraplex.lora")
 
+MAX_NAMES_TEXT = 2000  # characters of names the unknown-LoRA error lists at most
+SHARED_KEY_PREFIX = ":shared"
+
 
 def tenant_key(tenant: str, name: str, version: str) -> str:
     """The AdapterManager name of one uploaded version ('/' never occurs in shared names)."""
     return f"{tenant}/{name}@{version}"
 
 
+def shared_key(name: str, version: str) -> str:
+    """The AdapterManager name of one version of a shared adapter loaded at run time."""
+    return tenant_key(SHARED_KEY_PREFIX, name, version)
+
+
+def names_text(names: list[str], total: int, limit: int = MAX_NAMES_TEXT) -> str:
+    """``names`` as a Python list literal cut to about ``limit`` characters, saying how many of ``total`` are left."""
+    shown, used = [], 0  # "[" + "]" less the last ", "
+    for name in names:
+        used += len(repr(name)) + 2
+        if used > limit:
+            break
+        shown.append(name)
+    text = repr(shown)
+    return text if len(shown) == total else f"{text} and {total - len(shown)} more"
+
+
 class AdapterCatalog:
-    """Resolves (tenant, lora_name) to (manager key, folder): the tenant's upload, else a shared adapter."""
+    """Resolves (tenant, lora_name) to (manager key, folder, registered lazily?): see the module doc."""
 
     def __init__(self, store, shared: dict[str, str]):
         bad = sorted(name for name in shared if "/" in name or not name)
         if bad:
             raise ValueError(f"adapter names must be non-empty and must not contain '/': {bad}")
         self.store = store  # an AdapterStore, or None (no uploads)
-        self.shared = dict(shared)
+        self.shared = dict(shared)  # multi_lora.json: registered with the AdapterManager at start
 
     def resolve(self, tenant: str, name: str) -> tuple[str, str, bool]:
-        """(manager key, folder, uploaded?) for a request of `tenant` naming `name`; raises AdapterNotFound."""
-        stored = self.store.lookup(tenant, name) if self.store is not None else None
-        if stored is not None:
-            return tenant_key(tenant, name, stored.version), str(stored.path), True
+        """(manager key, folder, registered on use?) for a request of `tenant` naming `name`; raises AdapterNotFound."""
+        store = self.store
+        if store is not None:
+            stored = store.lookup(tenant, name)
+            if stored is not None:
+                return tenant_key(tenant, name, stored.version), str(stored.path), True
+            loaded = store.lookup_shared(name)
+            if loaded is not None:
+                return shared_key(name, loaded.version), str(loaded.path), True
         path = self.shared.get(name)
         if path is not None:
             return name, path, False
+        folder = store.shared_folder(name) if store is not None else None
+        if folder is not None:
+            return name, folder, True
         # vllm_backend's exact text (its clients compare it), listing only what this tenant may use
         raise AdapterNotFound(f"LoRA {show(name, 200)[1:-1]} is not supported, "
-                              f"we currently support {self.visible(tenant)}")
+                              f"we currently support {self.visible_text(tenant)}")
+
+    def visible_text(self, tenant: str) -> str:
+        """The first names this tenant may use (about MAX_NAMES_TEXT characters), and how many more there are."""
+        if self.store is None:
+            names = sorted(self.shared)
+            return names_text(names, len(names))
+        page = self.store.page(tenant, "", MAX_NAMES_TEXT // 4, self.shared, read=False)
+        return names_text(page.names(), page.total)
 
     def visible(self, tenant: str) -> list[str]:
-        """Adapter names this tenant may use: its own uploads and the shared ones, sorted."""
-        own = {a.name for a in self.store.list(tenant)} if self.store is not None else set()
-        return sorted(own | set(self.shared))
+        """Adapter names this tenant may use (its uploads and the shared ones), sorted: at most one store page."""
+        if self.store is None:
+            return sorted(self.shared)
+        return self.store.page(tenant, "", extra_shared=self.shared).names()
 
 
 class AdapterVersions:
@@ -111,4 +152,4 @@ class AdapterVersions:
             log.warning("adapter version %s was not registered", key)
 
 
-__all__ = ["AdapterCatalog", "AdapterVersions", "tenant_key"]
+__all__ = ["AdapterCatalog", "AdapterVersions", "names_text", "shared_key", "tenant_key"]

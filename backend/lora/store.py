@@ -3,7 +3,9 @@
 The folder is the source of truth for every replica serving it (several tritonservers on
 one shared volume). Layout under ``root``::
 
-    <name>/adapter_config.json                 shared adapters (served to every tenant)
+    <name>/adapter_config.json                 shared adapters placed by the operator (served to every tenant)
+    .shared/adapters/<name>.json               shared adapters loaded at run time (/v1/load_lora_adapter):
+    .shared/versions/<name>/<version>/...      pointer + immutable versions, as a tenant's
     .tenants/<tenant-dir>/TENANT               the tenant's name, for operators
     .tenants/<tenant-dir>/.lock                flock: quota check + pointer change
     .tenants/<tenant-dir>/adapters/<name>.json pointer to the current version (metadata)
@@ -18,7 +20,11 @@ for RETIRED_VERSION_GRACE_SECONDS (a request in flight elsewhere may reload it),
 next collection removes it: the server's timer (Collector), any tenant's upload (at most
 every COLLECT_INTERVAL_SECONDS), and the tenant's own upload or delete. Every version on
 disk counts against its tenant's max_adapters, and every tenant's versions together
-against the store-wide byte cap.
+against the store-wide byte cap (shared versions count against neither).
+
+Every request-time operation is O(1) in the number of adapters: ``lookup``/``lookup_shared``
+read one pointer file or stat one folder; ``page``/``shared_page`` read one folder's names
+(no per-entry stat or read) and then only the page's pointers; nothing walks the store.
 """
 
 from __future__ import annotations
@@ -39,19 +45,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
 from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter
 from loraplex.lora.shapes import module_shapes
 
-if TYPE_CHECKING:
-    from loraplex.tenancy.tenants import Tenant
+from loraplex.tenancy.tenants import Tenant
 
 log = logging.getLogger("loraplex.store")
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANTS_DIR = ".tenants"
+SHARED_DIR = ".shared"
+SHARED_OWNER = ""  # StoredAdapter.tenant of a shared adapter loaded at run time
+MAX_PAGE = 1000  # names one list page may hold
 TMP_PREFIX = ".tmp-"
 TENANT_DIR = re.compile(r"[0-9a-f]{32}")
 RETIRED_VERSION_GRACE_SECONDS = 600
@@ -95,6 +102,20 @@ class StoredAdapter:
         return {"name": self.name, "version": self.version, "rank": self.rank,
                 "target_modules": list(self.target_modules), "bytes": self.bytes, "digest": self.digest,
                 "created": iso, "created_unix": self.created}
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of AdapterStore.page: the tenant's adapters on it, the shared names on it, where the next starts."""
+
+    own: list  # StoredAdapter (names only when the page was not read)
+    shared: list[str]
+    next: str | None  # the ``after`` of the next page; None: this is the last
+    total: int  # names from this page's start to the end (approximate: shared folders unchecked)
+
+    def names(self) -> list[str]:
+        """Every name on the page, sorted."""
+        return sorted({a if isinstance(a, str) else a.name for a in self.own} | set(self.shared))
 
 
 def not_found(name: str) -> AdapterNotFound:
@@ -164,11 +185,49 @@ class AdapterStore:
     # reading (cheap: the engine calls lookup on every request naming an adapter) ---------------
 
     def shared(self) -> dict[str, str]:
-        """PEFT folders directly under the root (served to every tenant): name -> path."""
+        """Every PEFT folder directly under the root: name -> path (walks the root: operators and tests only;
+        requests use shared_folder, lookup_shared and page)."""
         if not self.root.is_dir():
             return {}
         return {p.name: str(p) for p in sorted(self.root.iterdir())
                 if not p.name.startswith(".") and (p / CONFIG_FILE).is_file()}
+
+    def shared_folder(self, name: str) -> str | None:
+        """The operator's shared folder ``<root>/<name>`` if it holds an adapter_config.json (one stat)."""
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            return None
+        path = self.root / name
+        return str(path) if (path / CONFIG_FILE).is_file() else None
+
+    def lookup_shared(self, name: str) -> StoredAdapter | None:
+        """The current version of the shared adapter ``name`` loaded at run time (one small JSON read), or None."""
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            return None
+        return self._read_pointer(SHARED_OWNER, self.root / SHARED_DIR / "adapters" / f"{name}.json", name)
+
+    def page(self, tenant: str, after: str = "", limit: int = MAX_PAGE, extra_shared=(),
+             read: bool = True) -> Page:
+        """One page of the names ``tenant`` may use, sorted by name, after the name ``after`` ("" = the first page).
+
+        ``extra_shared`` are shared names from elsewhere (multi_lora.json). Reads three folders' names
+        (one listdir each), then only the page's pointers (unless not ``read``) and shared folders: the
+        rest of the store is never stat'ed or read.
+        """
+        limit = max(1, min(int(limit), MAX_PAGE))
+        own = _names(self._tenant_dir(tenant) / "adapters", ".json")
+        loaded = _names(self.root / SHARED_DIR / "adapters", ".json")
+        folders = _names(self.root, "")
+        names = sorted(n for n in own | loaded | folders | set(extra_shared) if n > after)
+        window = names[:limit]
+        mine, shared = [], []
+        for name in window:
+            if name in own:
+                stored = self.lookup(tenant, name) if read else None
+                if stored is not None or not read:
+                    mine.append(stored if read else name)
+            if name in loaded or name in extra_shared or (name in folders and self.shared_folder(name)):
+                shared.append(name)
+        return Page(mine, shared, window[-1] if len(names) > limit else None, len(names))
 
     def _tenant_dir(self, tenant: str) -> Path:
         return self.root / TENANTS_DIR / tenant_dir_name(tenant)
@@ -236,12 +295,52 @@ class AdapterStore:
         """
         check_name(name)
         self.maybe_collect()  # whichever tenant uploads next
+        return self._store_version(tenant, self._tenant_dir(tenant.name), name, config_text, weights, hf_config,
+                                   max_lora_rank)
+
+    def load_shared(self, name: str, config_text: str, weights: bytes, hf_config, max_lora_rank: int,
+                    replace: bool = False) -> StoredAdapter:
+        """Validate an adapter exactly as an upload, then store it as a new version of the shared adapter ``name``
+        (served to every tenant). An existing shared name (loaded, or a folder under the root) is refused with
+        vLLM's text unless ``replace``; requests in flight keep the version they resolved to."""
+        check_name(name)
+        exists = self.lookup_shared(name) is not None or self.shared_folder(name) is not None
+        if exists and not replace:
+            raise AdapterStoreError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                    f"adapter in place, set 'load_inplace' to True.")
+        self.maybe_collect()
+        return self._store_version(Tenant(SHARED_OWNER, b""), self.root / SHARED_DIR, name, config_text, weights,
+                                   hf_config, max_lora_rank, capped=False)
+
+    def unload_shared(self, name: str) -> StoredAdapter:
+        """Remove the shared adapter ``name`` loaded at run time (its version stays for the grace period)."""
+        check_name(name)
+        sdir = self.root / SHARED_DIR
+        if not (sdir / ".lock").is_file():
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        with self._locked(sdir):
+            pointer = sdir / "adapters" / f"{name}.json"
+            old = self._read_pointer(SHARED_OWNER, pointer, name)
+            if old is None:
+                if self.shared_folder(name):
+                    raise AdapterStoreError(f"the shared adapter '{name}' is a folder the operator placed in the "
+                                            f"adapter store, not one loaded at run time: remove the folder")
+                raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+            pointer.unlink()
+            _fsync_dir(pointer.parent)
+            self._retire(old.path)
+            self._gc(sdir)
+        log.info("shared adapter unloaded: name=%s version=%s digest=%s", name, old.version, old.digest)
+        return old
+
+    def _store_version(self, tenant: Tenant, tdir: Path, name: str, config_text: str, weights: bytes, hf_config,
+                       max_lora_rank: int, capped: bool = True) -> StoredAdapter:
+        """Validate, then make the adapter the current version of ``name`` in ``tdir`` (a tenant's or .shared)."""
         config_bytes, weights = self._checked_files(name, config_text, weights, tenant, hf_config, max_lora_rank)
         version = adapter_digest(config_bytes, weights)[:16]  # content-addressed: same bytes, same folder
-        tdir = self._tenant_dir(tenant.name)
         target = tdir / "versions" / name / version
         size = len(config_bytes) + len(weights)
-        if not target.is_dir():  # early (no lock); both checked again under the locks
+        if not target.is_dir() and capped:  # early (no lock); both checked again under the locks
             replacing = self.lookup(tenant.name, name) is not None
             self._check_count(tenant, self._usage(tdir), replacing)
             self._check_room(tenant, size, collect=True)
@@ -255,14 +354,15 @@ class AdapterStore:
         modules = sorted({m for _, m in adapter.weights})
         meta = {"name": name, "version": version, "digest": adapter.digest, "rank": adapter.rank,
                 "target_modules": modules, "bytes": len(weights), "created": self.clock()}
-        tdir = self._tenant_dir_for_writing(tenant.name)
+        tdir = self._tenant_dir_for_writing(tenant.name) if capped else self._shared_dir_for_writing()
         with self._locked(tdir):
             pointer = tdir / "adapters" / f"{name}.json"
             old = self._read_pointer(tenant.name, pointer, name)
             self._gc(tdir, keep={(name, version)})
             if not target.is_dir():
-                self._check_count(tenant, self._usage(tdir), replacing=old is not None)
-                self._install(tenant, target, config_bytes, weights, adapter.digest)
+                if capped:
+                    self._check_count(tenant, self._usage(tdir), replacing=old is not None)
+                self._install(tenant, target, config_bytes, weights, adapter.digest, capped)
             (tdir / "adapters").mkdir(exist_ok=True)
             write_atomic(pointer, json.dumps(meta, sort_keys=True).encode())
             if old is not None and old.version != version:
@@ -270,8 +370,9 @@ class AdapterStore:
         stored = StoredAdapter(tenant=tenant.name, name=name, version=version, path=target, digest=adapter.digest,
                                rank=adapter.rank, target_modules=tuple(meta["target_modules"]), bytes=len(weights),
                                created=meta["created"])
-        log.info("adapter uploaded: tenant=%s name=%s version=%s digest=%s rank=%d bytes=%d",
-                 tenant.name, name, version, adapter.digest, adapter.rank, len(weights))
+        log.info("adapter %s: tenant=%s name=%s version=%s digest=%s rank=%d bytes=%d",
+                 "uploaded" if capped else "loaded (shared)", tenant.name, name, version, adapter.digest,
+                 adapter.rank, len(weights))
         return stored
 
     def delete(self, tenant: str, name: str) -> StoredAdapter:
@@ -312,7 +413,8 @@ class AdapterStore:
         """Remove every tenant's retired versions past the grace period; returns how many (busy tenants skipped)."""
         self._last_collect = self.clock()
         removed = 0
-        for tdir in self._tenant_dirs():
+        shared = [self.root / SHARED_DIR] if (self.root / SHARED_DIR / ".lock").is_file() else []
+        for tdir in self._tenant_dirs() + shared:
             with self._locked(tdir, wait=False) as held:  # a tenant busy in an upload collects its own
                 if held:
                     removed += self._gc(tdir)
@@ -428,6 +530,13 @@ class AdapterStore:
         _fsync_dir(tdir.parent)
         return tdir
 
+    def _shared_dir_for_writing(self) -> Path:
+        """``.shared/`` with its lock file, created on first use."""
+        sdir = self.root / SHARED_DIR
+        sdir.mkdir(parents=True, exist_ok=True)
+        (sdir / ".lock").touch(exist_ok=True)
+        return sdir
+
     @staticmethod
     @contextlib.contextmanager
     def _locked(folder: Path, wait: bool = True) -> Iterator[bool]:
@@ -443,7 +552,8 @@ class AdapterStore:
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    def _install(self, tenant: Tenant, target: Path, config_bytes: bytes, weights: bytes, digest: str) -> None:
+    def _install(self, tenant: Tenant, target: Path, config_bytes: bytes, weights: bytes, digest: str,
+                 capped: bool = True) -> None:
         """Write a version folder: stage and verify it, then check the cap and rename it under the store's lock."""
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
@@ -455,8 +565,11 @@ class AdapterStore:
             written = adapter_digest((staging / CONFIG_FILE).read_bytes(), (staging / WEIGHTS_FILE).read_bytes())
             if written != digest:
                 raise OSError(f"adapter files read back differ from those written ({written} != {digest})")
-            with self._locked(self.root / TENANTS_DIR):  # no other replica places a version meanwhile
-                self._check_room(tenant, len(config_bytes) + len(weights))
+            if capped:
+                with self._locked(self.root / TENANTS_DIR):  # no other replica places a version meanwhile
+                    self._check_room(tenant, len(config_bytes) + len(weights))
+                    os.rename(staging, target)
+            else:
                 os.rename(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -536,6 +649,16 @@ def _version_folders(tdir: Path) -> Iterator[tuple[str, str, Path]]:
         for version in versions:
             if not version.startswith(TMP_PREFIX):
                 yield name, version, tdir / "versions" / name / version
+
+
+def _names(folder: Path, suffix: str) -> set[str]:
+    """Adapter names in ``folder``: entries ending in ``suffix`` (removed) that fit ADAPTER_NAME (one listdir)."""
+    try:
+        entries = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    return {e[:len(e) - len(suffix)] for e in entries
+            if e.endswith(suffix) and ADAPTER_NAME.fullmatch(e[:len(e) - len(suffix)])}
 
 
 def _folder_bytes(path: Path) -> int:

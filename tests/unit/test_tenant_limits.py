@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions, tenant_key
+from loraplex.lora.store import Page
 from loraplex.exceptions import AdapterNotFound, EngineOverloaded, InvalidRequest, QueueFull, QuotaExceeded
 from loraplex.engine.metrics import OTHER_TENANTS, TenantLabels
 from loraplex.tenancy.quotas import WINDOW_SECONDS, TenantQuotas
@@ -260,6 +261,16 @@ class Store:
 
     def list(self, tenant):
         return [self.lookup(tenant, n) for n in sorted(self.uploads.get(tenant, {}))]
+
+    def lookup_shared(self, name):
+        return None
+
+    def shared_folder(self, name):
+        return None
+
+    def page(self, tenant, after="", limit=1000, extra_shared=(), read=True):
+        names = sorted(set(self.uploads.get(tenant, {})) | set(extra_shared))
+        return Page(self.list(tenant), sorted(extra_shared), None, len(names))
 
 
 def test_catalog_resolves_own_uploads_first_then_shared_and_hides_other_tenants():
