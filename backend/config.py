@@ -48,6 +48,8 @@ class EngineConfig:
     metric_tenant_label: str = "name"  # "name", or "hash": a stable hash of the name (metrics.hashed_tenant) instead
     metric_tenant_salt: str = ""  # mixed into "hash" labels: the same on every replica keeps them comparable
     max_adapter_wait_steps: int = 32  # a request skipped this many steps for want of an adapter slot blocks later ones
+    adapter_admission: str = "resident_first"  # resident_first: pass over requests whose adapter would evict another's
+    max_adapter_wait_seconds: float = 2.0  # resident_first: no request is passed over later than this after arrival
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # tenant | global
     max_loras: int = 8
@@ -96,6 +98,8 @@ class EngineConfig:
             (self.preemption_threshold >= 0, "preemption_threshold must be >= 0"),
             (0 <= self.kv_watermark < 1, "kv_watermark must be in [0, 1)"),
             (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps must be >= 0"),
+            (self.adapter_admission in ("resident_first", "policy"), "adapter_admission must be resident_first or policy"),
+            (self.max_adapter_wait_seconds >= 0, "max_adapter_wait_seconds must be >= 0"),
             (self.fair_share in ("vtc", "off"), "fair_share must be vtc or off"),
             (self.max_metric_tenants >= 1, "max_metric_tenants must be >= 1"),
             (self.metric_tenant_label in ("name", "hash"), "metric_tenant_label must be 'name' or 'hash'"),

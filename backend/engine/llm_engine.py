@@ -106,6 +106,9 @@ class LLMEngine:
         self.versions = AdapterVersions(self.adapters, max_idle=config.max_cpu_loras)
         self.preloader = AdapterPreloader(self.adapters.read, self._preloaded)
         self._loading: dict[str, Request] = {}  # request id -> request whose adapter the preloader reads
+        self._rereading: set[str] = set()  # adapters read again for waiting requests (evicted from host meanwhile)
+        self._reread_failed: set[str] = set()  # their read failed: acquire reads on the loop, failing the request
+        self._reread: deque = deque()  # (name, preloaded or None) delivered by the preloader's worker
         self._cancelled_loading: set[str] = set()  # aborted while their adapter was being read
         self.quotas = TenantQuotas(config.max_waiting_requests, config.tenant_queue_share)
         self.tenant_labels = TenantLabels.from_config(config)
@@ -139,6 +142,7 @@ class LLMEngine:
         self.generated_tokens: dict[str, int] = {}  # per tenant label (metrics)
         self.finished_requests: dict[tuple[str, str], int] = {}  # per (tenant label, finish reason)
         self.stats = EngineStats()  # request and step metrics (counters, latency observations)
+        self.adapters.observe = self.stats.adapter_load
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
@@ -148,8 +152,10 @@ class LLMEngine:
                  kernels.native_threads() if self.device.type == "cpu" else "no")
 
     def _new_scheduler(self) -> Scheduler:
-        return make_scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids, self.max_model_len,
-                              num_host_blocks=self.num_host_blocks)
+        scheduler = make_scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids,
+                                   self.max_model_len, num_host_blocks=self.num_host_blocks)
+        scheduler.read_adapter = self._read_for_admission
+        return scheduler
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks > 0:
@@ -189,6 +195,8 @@ class LLMEngine:
             ("adapter_pins", ()): adapters.total_pins(),
             ("adapters_resident", ("device",)): len(adapters.resident_names()),
             ("adapters_resident", ("host",)): len(adapters.host_names()),
+            ("adapters_resident", ("disk",)): adapters.num_registered(),
+            ("adapters_loading", ("host",)): self.preloader.loading(),
             ("adapter_loads_total", ("host",)): adapters.loads_from_disk,
             ("adapter_loads_total", ("device",)): adapters.device_loads,
             ("adapter_evictions_total", ("device",)): adapters.evictions,
@@ -204,7 +212,20 @@ class LLMEngine:
             ("request_success_total", stats.succeeded),
         ):
             per_label(values, name, dict(counts))
+        values.update(self._adapters_waiting())
         return values
+
+    def _adapters_waiting(self) -> Values:
+        """Distinct adapters that waiting sequences need and no current slot holds, by the tier they are in."""
+        adapters, wanted = self.adapters, set()
+        for seq in self.scheduler.waiting.sequences():
+            name = seq.request.adapter_key
+            if name:
+                wanted.add(name)
+        on_host = set(adapters.host_names())
+        cold = [name for name in wanted if not adapters.is_resident(name)]
+        host = sum(1 for name in cold if name in on_host)
+        return {("adapters_waiting", ("host",)): host, ("adapters_waiting", ("disk",)): len(cold) - host}
 
     # ---- called from any thread ------------------------------------------------------
     def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default",
@@ -285,8 +306,37 @@ class LLMEngine:
             return None
         return self.adapters.needs_read(request.adapter_key, request.adapter_path)
 
+    def _read_for_admission(self, request: Request) -> bool:
+        """The scheduler met a waiting request whose adapter left host memory: read it again off the loop thread
+        (True: the request waits meanwhile), or False where acquire() reads it (no loop thread; the read failed)."""
+        name = request.adapter_key
+        if self._thread is None or name in self._reread_failed:
+            self._reread_failed.discard(name)
+            return False
+        if name not in self._rereading:
+            folder = self.adapters.needs_read(name)
+            if folder is None:
+                return False
+            self._rereading.add(name)
+            self.preloader.submit(_Reread(name), name, folder)
+        return True
+
+    def _adopt_rereads(self) -> None:
+        """Adopt the adapters read again for waiting requests into the host tier (loop thread)."""
+        while self._reread:
+            name, preloaded = self._reread.popleft()
+            self._rereading.discard(name)
+            if preloaded is None:
+                self._reread_failed.add(name)
+            elif name in self.adapters.names():
+                self.adapters.adopt(name, preloaded)
+
     def _preloaded(self, request: Request, preloaded) -> None:
         """The preloader's worker read the request's adapter (None: the read failed): queue the request."""
+        if isinstance(request, _Reread):
+            self._reread.append((request.name, preloaded))
+            self._wake.set()
+            return
         request.preloaded = preloaded
         with self._accept_lock:
             if self._loading.pop(request.request_id, None) is None:
@@ -335,6 +385,10 @@ class LLMEngine:
         newcomers fails its own requests; a row the sampler cannot use fails its request.
         """
         start = time.perf_counter()
+        loads = self.adapters.device_loads
+        loading = self.preloader.loading() > 0
+        if self._reread:
+            self._adopt_rereads()
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         self._step_time = now = time.monotonic()
@@ -345,6 +399,9 @@ class LLMEngine:
         if batch.finished:
             self._events(batch.finished, outputs, new_tokens=False)
         if batch.empty:
+            if self._rereading and self._thread is not None:  # waiting only for reads: sleep, do not spin
+                self._wake.wait(0.05)
+                self._wake.clear()
             return outputs
         forward_start = time.perf_counter()
         try:
@@ -365,8 +422,9 @@ class LLMEngine:
         changed = self.scheduler.update(batch, result)
         self.num_steps += 1
         self._events(changed, outputs, new_tokens=True)
-        self.stats.step(len(batch.seqs), sum(batch.num_new_tokens),
-                        time.perf_counter() - start - (forward_end - forward_start))
+        end = time.perf_counter()
+        self.stats.step(len(batch.seqs), sum(batch.num_new_tokens), end - start - (forward_end - forward_start))
+        self.stats.step_time(end - start, loading or self.adapters.device_loads != loads or self.preloader.loading() > 0)
         return outputs
 
     def _forward(self, batch, outputs: list):
@@ -395,7 +453,7 @@ class LLMEngine:
 
     def _runnable(self) -> bool:
         """Anything a step can do now."""
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or bool(self._reread) or self.scheduler.has_work()
 
     def _drain_inbox(self) -> list:
         outputs = []
@@ -665,3 +723,12 @@ class LLMEngine:
             for out in self.step():
                 collected.setdefault(out.request_id, []).append(out)
         return collected
+
+
+class _Reread:
+    """What the preloader hands back for an adapter read again for waiting requests (not a request)."""
+
+    __slots__ = ("name", "request_id")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.request_id = name, f"(adapter {name!r} read again)"

@@ -27,6 +27,9 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1) + REQUEST_BUCKETS
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                        2.5, 5.0)
 HOST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -49,7 +52,11 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
     Family("admission_cap", GAUGE, (), "Running sequences the scheduler admits up to (lowered under sustained preemption)"),
     Family("kv_cache_blocks", GAUGE, S,
            "KV cache blocks by state (used; cached = evictable blocks holding a prefix; free includes cached)"),
-    Family("adapters_resident", GAUGE, ("tier",), "Adapters held in device slots (device) and in host memory (host)"),
+    Family("adapters_resident", GAUGE, ("tier",),
+           "Adapters held in device slots (device), in host memory (host), servable from disk (disk: registered)"),
+    Family("adapters_loading", GAUGE, ("tier",), "Adapters being read from disk into host memory (host)"),
+    Family("adapters_waiting", GAUGE, ("tier",),
+           "Adapters waiting requests need that no device slot holds, by where they are (host, disk)"),
     Family("adapter_pins", GAUGE, (), "Adapter pins held by running sequences"),
     Family("prompt_tokens_total", COUNTER, T, "Prompt tokens of started requests, per tenant"),
     Family("generation_tokens_total", COUNTER, T, "Tokens generated, per tenant"),
@@ -76,6 +83,12 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
     Family("queue_time_seconds", HISTOGRAM, T, "Arrival to first scheduling, per tenant", QUEUE_BUCKETS),
     Family("batch_sequences", HISTOGRAM, (), "Sequences in a step's batch", COUNT_BUCKETS),
     Family("batch_tokens", HISTOGRAM, (), "Tokens in a step's batch (decode tokens and prefill chunks)", TOKEN_BUCKETS),
+    Family("step_seconds", HISTOGRAM, ("loading",),
+           "Wall time of a step that ran the model; loading=true: an adapter was read or copied into a slot meanwhile",
+           STEP_SECONDS_BUCKETS),
+    Family("adapter_load_seconds", HISTOGRAM, ("stage",),
+           "Adapter load latency: disk_read (read and validate into host memory), host_to_device (copy into a slot)",
+           LOAD_SECONDS_BUCKETS),
     Family("step_host_seconds", HISTOGRAM, (),
            "Host time of a step outside the model runner (inbox, scheduling, update, detokenization, outputs)",
            HOST_SECONDS_BUCKETS),

@@ -18,6 +18,7 @@ from loraplex.engine.request import Request
 TTFT, TPOT, E2E, QUEUE = "time_to_first_token_seconds", "time_per_output_token_seconds", \
     "e2e_request_latency_seconds", "queue_time_seconds"
 BATCH_SEQUENCES, BATCH_TOKENS, STEP_HOST = "batch_sequences", "batch_tokens", "step_host_seconds"
+STEP_SECONDS, ADAPTER_LOAD = "step_seconds", "adapter_load_seconds"
 
 MAX_PENDING_OBSERVATIONS = 100_000  # unpublished observations kept at most (the oldest go first)
 
@@ -116,6 +117,14 @@ class EngineStats:
         observe((STEP_HOST, None, host_seconds))
 
     # ---- any thread (the publisher) --------------------------------------------------
+    def step_time(self, seconds: float, loading: bool) -> None:
+        """A step's wall time; ``loading``: an adapter was read from disk or copied into a slot meanwhile."""
+        self.observations.append((STEP_SECONDS, "true" if loading else "false", seconds))
+
+    def adapter_load(self, stage: str, seconds: float) -> None:
+        """One adapter load's latency: stage "disk_read" (the preloader's thread or the loop) or "host_to_device"."""
+        self.observations.append((ADAPTER_LOAD, stage, seconds))
+
     def requests_by_state(self) -> tuple[dict[str, int], dict[str, int]]:
         """(running, waiting) requests per label: started and not ended; accepted and not started."""
         accepted, started = dict(self.accepted), dict(self.started)

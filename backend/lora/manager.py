@@ -21,9 +21,11 @@ hint: at worst an adapter is read twice, or read on the loop thread as a fallbac
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -74,6 +76,8 @@ class AdapterManager:
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
         self._retired: dict[int, _Resident] = {}  # slot -> replaced version still pinned
         self._free: list[int] = list(range(slots.max_loras))
+        # load latencies for metrics: observe(stage, seconds), stage "disk_read" (any thread) or "host_to_device"
+        self.observe: Callable[[str, float], None] = lambda stage, seconds: None
 
     # registry -------------------------------------------------------------------------
 
@@ -133,7 +137,10 @@ class AdapterManager:
     def read(self, name: str, folder: str) -> tuple[str, tuple | None, LoraAdapter]:
         """Read and validate an adapter folder (any thread): (the folder, its files' signature, the adapter)."""
         signature = files_signature(Path(folder))  # before reading: a change while reading shows at adopt
-        return folder, signature, load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+        start = time.perf_counter()
+        adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+        self.observe("disk_read", time.perf_counter() - start)
+        return folder, signature, adapter
 
     def adopt(self, name: str, preloaded: tuple[str, tuple | None, LoraAdapter]) -> None:
         """Put an adapter ``read`` off the loop thread into the host tier, if it is still what ``name`` serves."""
@@ -167,7 +174,9 @@ class AdapterManager:
         slot = self._take_slot()
         if slot is None:
             return None
+        start = time.perf_counter()
         self.slots.load(slot, adapter)
+        self.observe("host_to_device", time.perf_counter() - start)
         self.device_loads += 1
         rec = _Resident(name=name, slot=slot, digest=adapter.digest)
         self._resident[name] = rec
@@ -200,6 +209,14 @@ class AdapterManager:
         for slot in list(self._retired):
             del self._retired[slot]
             self._free_slot(slot)
+
+    def would_evict(self, name: str) -> bool:
+        """Whether acquire(name) now would take a slot from another adapter (not resident and no slot free)."""
+        return name not in self._resident and not self._free
+
+    def num_registered(self) -> int:
+        """Adapters servable by name (the disk tier)."""
+        return len(self._paths)
 
     def is_resident(self, name: str) -> bool:
         """Whether acquire(name) would find the adapter's current version already in a slot."""

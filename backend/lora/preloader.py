@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from typing import Callable
 
 log = logging.getLogger("loraplex.lora")
@@ -25,6 +26,12 @@ class AdapterPreloader:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._pending: Counter = Counter()  # adapter name -> reads submitted and not delivered yet
+
+    def loading(self) -> int:
+        """Distinct adapters being read (submitted, not delivered yet): the host tier's loading gauge."""
+        with self._lock:
+            return len(self._pending)
 
     def submit(self, request, name: str, folder: str) -> None:
         """Read adapter ``name`` from ``folder`` for ``request``, then deliver it."""
@@ -32,6 +39,7 @@ class AdapterPreloader:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="loraplex-adapter-load", daemon=True)
                 self._thread.start()
+            self._pending[name] += 1
         self._queue.put((request, name, folder))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -50,6 +58,10 @@ class AdapterPreloader:
             except Exception:  # the loop thread reads it again and fails that request alone
                 log.debug("preloading adapter %r failed; the engine loop will report it", name, exc_info=True)
                 preloaded = None
+            with self._lock:
+                self._pending[name] -= 1
+                if self._pending[name] <= 0:
+                    del self._pending[name]
             try:
                 self._deliver(request, preloaded)
             except Exception:  # the worker must never die

@@ -95,6 +95,9 @@ class Scheduler:
         self._preempted_now = 0
         self._fork_parents: list[Sequence] = []
         self.num_updates = 0  # update() calls completed: a runner knows whether the last step's tokens were applied
+        # read_adapter(request) -> True when the engine reads the request's adapter off the loop thread (the
+        # sequence waits meanwhile); None or False: acquire() reads it here (a caller stepping the engine itself)
+        self.read_adapter: Callable | None = None
 
     def carry_counters(self, old: "Scheduler") -> None:
         """Continue the monotonic counters (metrics) of a scheduler this one replaces."""
@@ -310,6 +313,8 @@ class Scheduler:
             n = min(seq.num_tokens_to_compute, budget)
             if kv.num_free_blocks - kv.blocks_needed(seq.seq_id, 0, seq.num_computed_tokens + n) < self.watermark_blocks:
                 break
+            if self._awaiting_read(seq):
+                break
             if not self._acquire_adapter(seq):
                 if seq.error is None:
                     break
@@ -329,62 +334,113 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in queue order; stop at the first that does not fit (KV, cap, budget)."""
-        kv = self.kv
+        """Admit waiting sequences in queue order; stop at the first that does not fit (KV, cap, budget).
+
+        With ``adapter_admission="resident_first"`` a sequence whose adapter would take another
+        adapter's slot (not resident, no slot free) is passed over in a first pass, so that those
+        whose adapters are resident go first; the passed-over ones are tried in order after it
+        (they may evict then). A sequence is passed over at most ``max_adapter_wait_steps``
+        steps or ``max_adapter_wait_seconds`` after its arrival; then it goes in policy order.
+        """
         popped: list[Sequence] = []  # taken from the queue and not admitted: put back, whatever happens
+        deferred: list[Sequence] = []
+        aware = self.config.adapter_admission == "resident_first"
         try:
+            stopped = False
             while budget > 0:
                 seq = self.waiting.take()
                 if seq is None:
                     break
                 popped.append(seq)
-                if not self._fits_cap(seq) or (seq.suspect and out.admitted):
-                    break  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
-                if not seq.num_preemptions and not self._fits_tenant(seq):
-                    self.waiting.block(seq.request.tenant)  # put back by unpop; unblocked as its samples end
+                if aware and self._defer(seq):
+                    seq.adapter_skips += 1
+                    deferred.append(seq)
+                    if len(deferred) >= max(64, 2 * self.config.max_num_seqs):
+                        break  # bounded work per step: the rest wait where they are
                     continue
-                if not self._acquire_adapter(seq):
-                    if seq.error is not None:  # its adapter broke since it was queued: fail it alone
-                        self._fail_popped(popped, out)
-                        continue
-                    seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
-                    if seq.adapter_skips > self.config.max_adapter_wait_steps:
-                        break  # waited long enough: nothing behind it is admitted until it gets a slot
-                    continue
-                try:
-                    fits, num_cached, n = self._allocate_prefill(seq, budget)
-                except Exception as exc:  # noqa: BLE001 - a lookup that raises fails this request, not the step
-                    kv.free(seq.seq_id)
-                    seq.error = exc
-                    self._fail_popped(popped, out)
-                    continue
-                if not fits:
-                    self._release_adapter(seq)
+                admitted, budget = self._admit_one(seq, out, budget, popped)
+                if admitted is None:
+                    stopped = True
                     break
-                popped.pop()
-                out.admitted.append(seq)
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = self.clock()
-                    self.num_new_waiting -= 1
-                    self._count_prefix(seq, num_cached)
-                    if self.vtc is not None:  # the prompt is charged once: a resumed or retried one is not
-                        self.vtc.admit(seq.request.tenant, len(seq.token_ids), _weight(seq.request))
-                if not seq.num_preemptions:  # from the new-sequence heaps: a request starts counting
-                    self._apply_limit(seq.request.tenant, self.active.start(seq.request, 1 + len(seq.forks)))
-                seq.num_computed_tokens = num_cached
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                self._emit(out, seq, n)
-                budget -= n
-                if seq.suspect:
+            for seq in deferred if not stopped else ():
+                if budget <= 0:
+                    break
+                admitted, budget = self._admit_one(seq, out, budget, popped, counted=True)
+                if admitted is None:
                     break
         finally:
             if popped:
                 self.waiting.unpop(popped)
 
-    def _fail_popped(self, popped: list[Sequence], out: SchedulerOutput) -> None:
-        """End the sequence just popped for admission (seq.error says why), its pins released."""
-        seq = popped.pop()
+    def _defer(self, seq: Sequence) -> bool:
+        """Pass the sequence over this pass: its adapter would evict another's, and it has not waited too long."""
+        name = seq.request.adapter_key
+        if not name or seq.num_preemptions or seq.adapter_skips >= self.config.max_adapter_wait_steps:
+            return False
+        if self.clock() - seq.request.arrival_time >= self.config.max_adapter_wait_seconds:
+            return False
+        return self.adapters.would_evict(name)
+
+    def _admit_one(self, seq: Sequence, out: SchedulerOutput, budget: int, popped: list[Sequence],
+                   counted: bool = False) -> tuple[bool | None, int]:
+        """Try to admit one popped sequence: (True admitted, False passed over, None stop admitting; budget left).
+
+        ``counted``: its adapter_skips already counts this step.
+        """
+        if not self._fits_cap(seq) or (seq.suspect and out.admitted):
+            return None, budget  # a suspect runs as the only newcomer of its step, so a failure convicts it alone
+        if not seq.num_preemptions and not self._fits_tenant(seq):
+            self.waiting.block(seq.request.tenant)  # put back by unpop; unblocked as its samples end
+            return False, budget
+        if self._awaiting_read(seq):
+            return False, budget  # its adapter is being read off the loop: it waits, others go
+        if not self._acquire_adapter(seq):
+            if seq.error is not None:  # its adapter broke since it was queued: fail it alone
+                self._fail_popped(seq, popped, out)
+                return False, budget
+            if not counted:
+                seq.adapter_skips += 1  # every slot pinned by other adapters: let others go, up to a bound
+            if seq.adapter_skips > self.config.max_adapter_wait_steps:
+                return None, budget  # waited long enough: nothing behind it is admitted until it gets a slot
+            return False, budget
+        kv = self.kv
+        try:
+            fits, num_cached, n = self._allocate_prefill(seq, budget)
+        except Exception as exc:  # noqa: BLE001 - a lookup that raises fails this request, not the step
+            kv.free(seq.seq_id)
+            seq.error = exc
+            self._fail_popped(seq, popped, out)
+            return False, budget
+        if not fits:
+            self._release_adapter(seq)
+            return None, budget
+        popped.remove(seq)
+        out.admitted.append(seq)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+            self.num_new_waiting -= 1
+            self._count_prefix(seq, num_cached)
+            if self.vtc is not None:  # the prompt is charged once: a resumed or retried one is not
+                self.vtc.admit(seq.request.tenant, len(seq.token_ids), _weight(seq.request))
+        if not seq.num_preemptions:  # from the new-sequence heaps: a request starts counting
+            self._apply_limit(seq.request.tenant, self.active.start(seq.request, 1 + len(seq.forks)))
+        seq.num_computed_tokens = num_cached
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._emit(out, seq, n)
+        budget -= n
+        return (None if seq.suspect else True), budget
+
+    def _awaiting_read(self, seq: Sequence) -> bool:
+        """The adapter is neither in host memory nor in a slot and ``read_adapter`` reads it off the loop thread."""
+        name = seq.request.adapter_key
+        if not name or self.read_adapter is None or self.adapters.needs_read(name) is None:
+            return False
+        return self.read_adapter(seq.request)
+
+    def _fail_popped(self, seq: Sequence, popped: list[Sequence], out: SchedulerOutput) -> None:
+        """End a sequence popped for admission (seq.error says why), its pins released."""
+        popped.remove(seq)
         self.waiting.unpop([seq])  # remove() takes it out of the queue, as from any waiting state
         out.finished += self.remove(seq, FinishReason.ABORT)
 

@@ -53,6 +53,7 @@ class FakeAdapters:
         self.resident: OrderedDict[str, list[int]] = OrderedDict()  # name -> [slot, pins]
         self.loads: list[str] = []
         self.broken: set[str] = set()  # acquire() raises for these (re-read from disk and found broken)
+        self.unread: set[str] = set()  # needs_read() names a folder for these (neither in host memory nor a slot)
 
     def acquire(self, name: str) -> int | None:
         if name in self.broken:
@@ -74,6 +75,12 @@ class FakeAdapters:
         self.resident[name] = [slot, 1]
         self.loads.append(name)
         return slot
+
+    def would_evict(self, name: str) -> bool:
+        return name not in self.resident and len(self.resident) >= self.num_slots
+
+    def needs_read(self, name: str) -> str | None:
+        return f"/adapters/{name}" if name in self.unread else None
 
     def release(self, name: str, slot: int | None = None) -> None:
         rec = self.resident[name]
