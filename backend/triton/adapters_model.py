@@ -1,4 +1,5 @@
-"""TritonPythonModel for `lora_adapters`: upload, list, inspect and delete the caller's own adapters.
+"""TritonPythonModel for `lora_adapters`: upload, list, inspect and delete the caller's own adapters; the
+operator's shared adapters loaded and unloaded at run time (``load_shared``/``unload_shared``, admin key only).
 
 Not decoupled: one request, one response holding `result` (a JSON object) or an error.
 The tenant is resolved exactly as `lora_llm` does it; the adapter store is
@@ -6,10 +7,16 @@ The tenant is resolved exactly as `lora_llm` does it; the adapter store is
 torch, transformers and the base model's config are loaded by the first request that
 needs them. Every server also collects retired adapter versions of every tenant on a
 timer (the store's Collector, started by the first request or after its first interval).
+
+``list`` is paginated: at most ``limit`` names (default and bound MAX_PAGE) after ``cursor``, and the
+``next`` cursor (null on the last page); with ``adapter_name`` it answers for that one name (O(1)).
+The admin actions need the request parameter ``loraplex_admin_key`` equal to ``$LORAPLEX_ADMIN_KEY``
+(loraplex-serve passes its admin key to tritonserver so): without that variable they are refused.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -29,17 +36,39 @@ log = logging.getLogger("loraplex.triton.adapters")
 
 ACTIONS = {  # action -> (required inputs, optional inputs)
     "upload": (("adapter_name", "adapter_config", "adapter_weights"), ()),
-    "list": ((), ()),
+    "list": ((), ("cursor", "limit", "adapter_name")),
     "info": (("adapter_name",), ()),
     "delete": (("adapter_name",), ()),
+    "load_shared": (("adapter_name", "adapter_config", "adapter_weights"), ("load_inplace",)),
+    "unload_shared": (("adapter_name",), ()),
 }
-INPUT_NAMES = ("action", "adapter_name", "adapter_config", "adapter_weights")
+ADMIN_ACTIONS = ("load_shared", "unload_shared")
+INPUT_NAMES = ("action", "adapter_name", "adapter_config", "adapter_weights", "cursor", "limit", "load_inplace")
+ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
+ADMIN_PARAMETER = "loraplex_admin_key"  # a request parameter (Triton forwards no admin header to models)
+ADMIN_REFUSED = "missing or invalid admin key"
+MAX_PAGE = 1000  # loraplex.lora.store.MAX_PAGE (not imported here: that imports torch)
 COLLECTOR_START_SECONDS = 60.0  # the collection timer starts by then without any request (torch loads then)
 NO_STORE = "adapter uploads are not enabled on this server: no adapter store is configured (LORAPLEX_ADAPTER_STORE)"
 
 
 class NoAdapterStore(RuntimeError):
-    """The server has no adapter store (UNSUPPORTED)."""
+    """The server has no adapter store, or no admin key for the admin actions (UNSUPPORTED)."""
+
+
+class AdminRefused(InvalidRequest):
+    """An admin action without the admin key (INVALID_ARG; the gateway answers 401)."""
+
+
+def check_admin(parameters: dict, expected: str | None) -> None:
+    """Refuse an admin action unless ``parameters`` carry the admin key (compared in constant time)."""
+    if not expected:
+        raise NoAdapterStore(f"loading shared adapters at run time is not enabled on this server: no admin key "
+                             f"is configured (${ADMIN_KEY_ENV}, loraplex-serve --admin-key)")
+    given = parameters.get(ADMIN_PARAMETER)
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                                                             expected.encode("utf-8", "surrogatepass")):
+        raise AdminRefused(ADMIN_REFUSED)
 
 
 def _start_collector(model: "TritonPythonModel", delay: float, stopped: threading.Event) -> None:
@@ -93,6 +122,18 @@ def parse_adapter_request(inputs: dict[str, bytes]) -> tuple[str, dict]:
         args["config_text"] = _text("adapter_config", inputs["adapter_config"])
     if "adapter_weights" in inputs:
         args["weights"] = inputs["adapter_weights"]
+    if "cursor" in inputs:
+        args["cursor"] = _text("cursor", inputs["cursor"])[:200]
+    if "limit" in inputs:
+        raw = _text("limit", inputs["limit"]).strip()
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be a whole number from 1 to {MAX_PAGE}, got {raw[:20]!r}")
+        args["limit"] = int(raw)
+    if "load_inplace" in inputs:
+        raw = _text("load_inplace", inputs["load_inplace"]).strip().lower()
+        if raw not in ("true", "false", "1", "0"):
+            raise InvalidRequest(f"load_inplace must be true or false, got {raw[:20]!r}")
+        args["replace"] = raw in ("true", "1")
     return action, args
 
 
@@ -103,9 +144,10 @@ class TritonPythonModel:
         logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"))
         model_config = json.loads(args["model_config"])
         self.config = engine_config_from_model_config(model_config, Path(args["model_repository"]))
-        self.multi_lora = {**generate_model_multi_lora(model_config, Path(args["model_repository"]), self.config),
-                           **self.config.multi_lora}  # the shared adapters lora_llm serves besides the store's
+        self._model_config, self._repository = model_config, Path(args["model_repository"])
+        self._multi_lora = None
         self.tenants = TenantResolver.from_env()
+        self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None
         self._store = None
         self._store_lock = threading.Lock()
         self._collector = None
@@ -130,6 +172,15 @@ class TritonPythonModel:
                     self._collector = Collector(self._store).start()
         return self._store
 
+    @property
+    def multi_lora(self) -> dict[str, str]:
+        """The shared adapters lora_llm serves besides the store's (multi_lora.json's that fit the base model);
+        read on first use: the shape check imports torch, which initialize() must not."""
+        if self._multi_lora is None:
+            self._multi_lora = {**generate_model_multi_lora(self._model_config, self._repository, self.config),
+                                **self.config.multi_lora}
+        return self._multi_lora
+
     def _base_config(self):
         if self._hf_config is None:
             from loraplex.models.loader import load_hf_config
@@ -151,15 +202,20 @@ class TritonPythonModel:
         return responses
 
     def _handle(self, request) -> dict:
-        tenant = self.tenants.resolve_tenant(json.loads(request.parameters() or "{}"))  # before any other work
+        parameters = json.loads(request.parameters() or "{}")
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = _scalar(name, tensor.as_numpy())
+        action = _text("action", inputs["action"]).strip() if "action" in inputs else None
+        if action in ADMIN_ACTIONS:  # the operator's: the admin key, not a tenant's
+            check_admin(parameters, self.admin_key)
+            return self._admin(*parse_adapter_request(inputs))
+        tenant = self.tenants.resolve_tenant(parameters)  # before any other work
         action, args = parse_adapter_request(inputs)
         if action == "list":
-            return self._list(tenant.name)
+            return self._list(tenant.name, args.get("cursor", ""), args.get("limit", MAX_PAGE), args.get("name"))
         store = self._store_now()
         if action == "info":
             return store.info(tenant.name, args["name"]).to_json()
@@ -173,14 +229,37 @@ class TritonPythonModel:
         self._count_upload(tenant)
         return result
 
-    def _list(self, tenant: str) -> dict:
-        """The tenant's uploads, and the names of the shared adapters every tenant may use (no store: none of
-        the first, the multi_lora.json ones of the second)."""
-        if not self.config.adapter_store:
-            return {"adapters": [], "shared": sorted(self.multi_lora)}
+    def _admin(self, action: str, args: dict) -> dict:
+        """load_shared / unload_shared: the operator's shared adapters, validated exactly as uploads."""
         store = self._store_now()
-        return {"adapters": [a.to_json() for a in store.list(tenant)],
-                "shared": sorted(set(store.shared()) | set(self.multi_lora))}
+        from loraplex.lora.store import check_name
+
+        name = check_name(args["name"])
+        if action == "unload_shared":
+            if name in self.multi_lora and store.lookup_shared(name) is None:
+                raise InvalidRequest(f"the shared adapter '{name}' comes from multi_lora.json, not from a run-time "
+                                     f"load: remove it there")
+            return store.unload_shared(name).to_json()
+        replace = args.get("replace", False)
+        if name in self.multi_lora and not replace:
+            raise InvalidRequest(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                 f"adapter in place, set 'load_inplace' to True.")
+        return store.load_shared(name, args["config_text"], args["weights"], self._base_config(),
+                                 self.config.max_lora_rank, replace=replace).to_json()
+
+    def _list(self, tenant: str, cursor: str = "", limit: int = MAX_PAGE, name: str | None = None) -> dict:
+        """One page of the tenant's uploads and of the shared names every tenant may use, and the next cursor
+        (no store: no uploads, the multi_lora.json names); with ``name``, only that name if the tenant may use it."""
+        if not self.config.adapter_store:
+            names = sorted(n for n in self.multi_lora if (n == name if name is not None else n > cursor))
+            return {"adapters": [], "shared": names[:limit], "next": names[limit - 1] if len(names) > limit else None}
+        store = self._store_now()
+        if name is not None:
+            own = store.lookup(tenant, name)
+            shared = name in self.multi_lora or store.lookup_shared(name) or store.shared_folder(name)
+            return {"adapters": [own.to_json()] if own else [], "shared": [name] if shared else [], "next": None}
+        page = store.page(tenant, cursor, limit, self.multi_lora)
+        return {"adapters": [a.to_json() for a in page.own], "shared": page.shared, "next": page.next}
 
     def _count_upload(self, tenant) -> None:
         if self.metrics is None:

@@ -1,11 +1,29 @@
-"""What a model's config.pbtxt says about the engine: its EngineConfig and multi_lora.json."""
+"""What a model's config.pbtxt says about the engine: its EngineConfig and multi_lora.json.
+
+multi_lora.json's entries are checked against the served base model by shape, as vllm_backend's
+users expect (an adapter is for the model it fits, whatever its base_model_name_or_path says):
+each entry's adapter_config.json and safetensors header are read (never its tensors); one that
+does not fit is skipped with one warning line naming the entry and the mismatch. The full
+validation happens when the engine loads the adapter.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 from loraplex.config import EngineConfig
+
+log = logging.getLogger("loraplex.triton")
+
+MAX_CONFIG_BYTES = 64 * 1024  # loraplex.lora.store.MAX_CONFIG_BYTES (not imported: that imports torch)
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[\w]+\.)*?(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+                     r"\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
 
 
 def load_multi_lora(path: Path) -> dict[str, str]:
@@ -22,13 +40,82 @@ def configured_model_dir(model_config: dict, model_dir: Path) -> str | None:
     return str((model_dir / path).resolve()) if path else None
 
 
-def multi_lora_for(model_config: dict, model_dir: Path, version: str, config: EngineConfig) -> dict[str, str]:
-    """multi_lora.json's adapters when the engine serves the model config.pbtxt names; {} when
-    LORAPLEX_MODEL_DIR put another base model in its place (the file's adapters belong to that one)."""
-    configured = configured_model_dir(model_config, model_dir)
-    if configured is not None and str(Path(config.model_dir).resolve()) != configured:
+def base_shapes(model_dir: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(layers, module -> (in, out)) of the checkpoint's config.json (no transformers import)."""
+    from loraplex.lora.shapes import module_shapes
+
+    hf = SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text()))
+    return int(hf.num_hidden_layers), module_shapes(hf)
+
+
+def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why the PEFT folder does not fit a base model of these shapes (None: it fits), from its
+    adapter_config.json and its safetensors header only."""
+    root = Path(folder)
+    try:
+        config_file, weights = root / "adapter_config.json", root / "adapter_model.safetensors"
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            return f"adapter_config.json is over {MAX_CONFIG_BYTES} bytes"
+        config = json.loads(config_file.read_bytes())
+        if not isinstance(config, dict):
+            return "adapter_config.json is not a JSON object"
+        with open(weights, "rb") as f:
+            size = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))[0]
+            if not 0 < size <= MAX_HEADER_BYTES:
+                return "adapter_model.safetensors has no valid header"
+            header = json.loads(f.read(size))
+    except FileNotFoundError as exc:
+        return f"missing {Path(exc.filename).name if exc.filename else 'file'}"
+    except (OSError, ValueError, struct.error) as exc:
+        return f"unreadable: {type(exc).__name__}"
+    if not isinstance(header, dict):
+        return "adapter_model.safetensors has no valid header"
+    fitted = 0
+    for key, entry in header.items():
+        match = _TENSOR.search(key)
+        if key == "__metadata__" or match is None:
+            continue
+        layer, module, part = int(match.group(1)), match.group(2), match.group(3)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if layer >= layers:
+            return f"{key} is for layer {layer}, the base model has {layers} layers"
+        if not (isinstance(shape, list) and len(shape) == 2):
+            return f"{key} has shape {shape}, not 2-D"
+        fan_in, fan_out = shapes[module]
+        if part == "lora_A" and shape[1] != fan_in:
+            return f"{key} has shape {shape}: the base model's {module} takes {fan_in} inputs"
+        if part == "lora_B" and shape[0] != fan_out:
+            return f"{key} has shape {shape}: the base model's {module} has {fan_out} outputs"
+        fitted += 1
+    return None if fitted else "no LoRA weights of a module the base model has"
+
+
+def fitting_adapters(entries: dict[str, str], model_dir: str, source: str = "multi_lora.json") -> dict[str, str]:
+    """The entries whose adapters fit the base model in ``model_dir``; one warning per skipped entry."""
+    if not entries:
         return {}
-    return load_multi_lora(model_dir / version / "multi_lora.json")
+    try:
+        layers, shapes = base_shapes(model_dir)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s: skipping all %d entries: cannot read the base model's config.json in %s (%s)",
+                    source, len(entries), model_dir, exc)
+        return {}
+    fitting = {}
+    for name, folder in entries.items():
+        why = adapter_mismatch(folder, layers, shapes)
+        if why is None:
+            fitting[name] = folder
+        else:
+            log.warning("%s: skipping adapter %r (%s): it does not fit the served base model %s: %s",
+                        source, name, folder, model_dir, why)
+    return fitting
+
+
+def multi_lora_for(model_config: dict, model_dir: Path, version: str, config: EngineConfig) -> dict[str, str]:
+    """multi_lora.json's adapters that fit the base model the engine serves (config.pbtxt's, or
+    LORAPLEX_MODEL_DIR's in its place), checked by shape; the others are skipped with a warning each."""
+    path = model_dir / version / "multi_lora.json"
+    return fitting_adapters(load_multi_lora(path), config.model_dir, str(path))
 
 
 def generate_model_multi_lora(model_config: dict, model_dir: Path, config: EngineConfig,
