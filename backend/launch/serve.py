@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--openai-port", type=int, default=0,
                     help="port of the OpenAI-compatible gateway (loraplex-openai) started beside Triton; 0 = off "
                          "(`make serve` uses OPENAI_PORT, default 9000)")
+    ap.add_argument("--lora-root", default=os.environ.get("LORAPLEX_LORA_ROOT") or None,
+                    help="the gateway's --lora-root: enables vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                         "for the admin key (--admin-key), lora_path under this folder; default $LORAPLEX_LORA_ROOT")
     ap.add_argument("--served-model-name", default=None,
                     help="id of the base model in the gateway's /v1/models (default: the checkpoint's folder name)")
     ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -461,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     key, key_text = admin_key(args)
     server = TritonServer(
         model_repository=args.model_repository,
-        env=engine_env(model_dir, store, args.engine_config, args.tenants_file),
+        env={**engine_env(model_dir, store, args.engine_config, args.tenants_file), **({ADMIN_KEY_ENV: key} if key else {})},
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=address, log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
         exit_timeout_secs=args.exit_timeout, admin_key=key,
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway = None
     if args.openai_port:
         gateway = GatewayProcess(server.grpc_url, args.openai_port, address, str(Path(model_dir).resolve()),
-                                 args.served_model_name)
+                                 args.served_model_name, lora_root=args.lora_root, admin_key=key)
     rc = 1
     with _StopRequest() as stop:
         try:

@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
-/metrics.
+/metrics; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (operator), POST /v1/lora_adapters (tenant).
 
 Requests pass ``intake.Intake`` first (request id, bounded body, cancel on disconnect); bodies are
 parsed here against ``Limits``; chat templates render on the ``RenderPool``, never on the loop.
@@ -7,6 +7,7 @@ parsed here against ``Limits``; chat templates render on the ``RenderPool``, nev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -24,14 +25,16 @@ from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from loraplex.openai.generation import Generation
 from loraplex.openai.intake import Intake, on_close, request_id
-from loraplex.openai.limits import Limits
+from loraplex.openai.limits import MAX_MODELS, Limits
+from loraplex.openai.lora_api import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin, multipart_fields,
+                                      not_enabled, read_adapter_files, resolve_under, upload_parts)
 from loraplex.openai.offload import RenderPool
 from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loraplex.openai.responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
                         completion_choice, new_id, role_chunk_choice, sse, tool_chunk_choices)
 from loraplex.openai.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from loraplex.openai.tool_output import ToolOutput
-from loraplex.openai.triton_stream import TritonClient
+from loraplex.openai.triton_stream import WRITE_TIMEOUT_S, TritonClient, adapters_request
 
 log = logging.getLogger("loraplex.openai")
 Body = TypeVar("Body", bound=BaseModel)
@@ -47,6 +50,8 @@ class Settings:
     default_max_tokens: int = 512  # chat requests without max_tokens / max_completion_tokens
     max_model_len: int | None = None  # caps that default at the context left after the prompt
     limits: Limits = field(default_factory=Limits)
+    lora_root: str | None = None  # /v1/load_lora_adapter's lora_path must resolve under it (None: API off)
+    admin_key: str | None = None  # what that API and /v1/unload_lora_adapter require (None: API off)
 
 
 def identity_headers(request: Request) -> dict[str, str]:
@@ -120,20 +125,28 @@ class Gateway:
         on_close(request.scope, generation.cancel)
         return generation
 
-    async def models(self, headers: dict) -> dict:
-        """vLLM's /v1/models: the base model, then each adapter with the base as ``parent``."""
-        adapters = await self.triton.visible_adapters(headers)
+    async def models(self, headers: dict, after: str | None = None, limit: int | None = None) -> dict:
+        """vLLM's /v1/models: the base model, then each adapter the caller may use with the base as ``parent``;
+        all of them up to MAX_MODELS, or one page of ``limit`` after the id ``after`` (``has_more``, ``last_id``)."""
+        names, cursor, want = [], after, limit or MAX_MODELS
+        while len(names) < want:
+            page, cursor = await self.triton.visible_adapters(headers, cursor, min(1000, want - len(names)))
+            names += page
+            if cursor is None:
+                break
         base = self.settings.base_model
         card = {"object": "model", "created": self.created, "owned_by": "loraplex"}
-        data = [{"id": base, **card, "root": self.settings.model_dir or base, "parent": None}]
-        data += [{"id": name, **card, "root": name, "parent": base} for name in adapters]
-        return {"object": "list", "data": data}
+        data = [] if after else [{"id": base, **card, "root": self.settings.model_dir or base, "parent": None}]
+        data += [{"id": name, **card, "root": name, "parent": base} for name in names]
+        return {"object": "list", "data": data, "has_more": cursor is not None,
+                "last_id": names[-1] if names else None}
 
     async def check_model(self, model: str | None, headers: dict) -> None:
         """Authenticate the caller with Triton (lora_adapters' list); 404 unless ``model`` is one it may use."""
-        adapters = await self.triton.visible_adapters(headers)
         lora = self.lora_name(model)
-        if lora is not None and lora not in adapters:
+        if lora is None:
+            await self.triton.visible_adapters(headers, limit=1)
+        elif not await self.triton.may_use(headers, lora):
             raise OpenAIError(404, f"The model {lora[:200]!r} does not exist", "invalid_request_error", "model",
                               "model_not_found")
 
@@ -188,7 +201,8 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     app = FastAPI(title="loraplex-openai", lifespan=lifespan)
     app.state.gateway = gw
-    app.add_middleware(Intake, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(Intake, max_body_bytes=limits.max_body_bytes,
+                       route_bytes={"/v1/lora_adapters": limits.max_upload_bytes})
 
     def tokenizer_needed() -> ChatRenderer:
         if renderer is None:
@@ -233,8 +247,45 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
             )), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        return await gw.models(identity_headers(request))
+    async def models(request: Request, after: str | None = None, limit: int | None = None):
+        if limit is not None and not 1 <= limit <= 1000:
+            raise bad_request("limit must be from 1 to 1000", "limit")
+        if after is not None and len(after) > 64:
+            raise bad_request("after must be a model id (at most 64 characters)", "after")
+        return await gw.models(identity_headers(request), after, limit)
+
+    def admin_key_of(request: Request) -> str:
+        if not settings.lora_root or not settings.admin_key:
+            raise not_enabled(request.url.path)
+        return check_admin(request.headers, settings.admin_key)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        key = admin_key_of(request)  # before the body or the file system is looked at
+        body = await parse_body(request, LoadLoraAdapterRequest, limits)
+        folder = resolve_under(settings.lora_root, body.lora_path)
+        config, weights = await asyncio.to_thread(read_adapter_files, folder, settings.lora_root,
+                                                  limits.max_upload_bytes)
+        inputs = {"adapter_name": body.lora_name, "adapter_config": config, "adapter_weights": weights,
+                  "load_inplace": "true" if body.load_inplace else "false"}
+        result = await triton.adapters(adapters_request("load_shared", inputs, key), {}, WRITE_TIMEOUT_S)
+        log.info("shared adapter loaded: %s version %s from %s", body.lora_name, result.get("version"), folder)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        key = admin_key_of(request)
+        body = await parse_body(request, UnloadLoraAdapterRequest, limits)
+        await triton.adapters(adapters_request("unload_shared", {"adapter_name": body.lora_name}, key), {})
+        log.info("shared adapter unloaded: %s", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.post("/v1/lora_adapters")
+    async def upload_lora_adapter(request: Request):
+        fields = multipart_fields(request.headers.get("content-type", ""), await request.body())
+        name, config, weights = upload_parts(fields)
+        inputs = {"adapter_name": name, "adapter_config": config, "adapter_weights": weights}
+        return await triton.adapters(adapters_request("upload", inputs), identity_headers(request), WRITE_TIMEOUT_S)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -12,8 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from loraplex.openai.limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, RENDER_QUEUE_PER_THREAD, RENDER_THREADS,
-                     RENDER_TIMEOUT_S, Limits)
+from loraplex.openai.limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, MAX_UPLOAD_BYTES, RENDER_QUEUE_PER_THREAD,
+                                    RENDER_THREADS, RENDER_TIMEOUT_S, Limits)
+from loraplex.openai.lora_api import ADMIN_KEY_ENV, LORA_ROOT_ENV
+from loraplex.openai.triton_stream import MAX_MESSAGE_BYTES
 
 MODEL_DIR_ENV = "LORAPLEX_MODEL_DIR"
 GRACEFUL_SHUTDOWN_SECONDS = 5  # open streams get this long after SIGTERM, then they are cut
@@ -56,9 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "completions default to 16, as OpenAI's")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context length used for that cap (default: config.json max_position_embeddings)")
+    ap.add_argument("--lora-root", default=os.environ.get(LORA_ROOT_ENV) or None,
+                    help=f"enables vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (with the admin key "
+                         f"${ADMIN_KEY_ENV}): a lora_path must resolve, symlinks followed, to a folder under this "
+                         f"one; default ${LORA_ROOT_ENV}; unset: those routes answer 404")
     limits = ap.add_argument_group("limits", "what one request may cost the gateway (docs/openai.md, Limits)")
     limits.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help="request bodies over this many bytes are refused with 413 while they are read")
+    limits.add_argument("--max-upload-bytes", type=int, default=MAX_UPLOAD_BYTES,
+                        help="an adapter upload's body (POST /v1/lora_adapters) and a lora_path's weights file; "
+                             f"at most {MAX_MESSAGE_BYTES - 1024 * 1024} (one gRPC message to Triton)")
     limits.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
                         help="chat messages per request (more: 400)")
     limits.add_argument("--max-choices", type=int, default=MAX_CHOICES,
@@ -76,10 +85,12 @@ def limits_from(args: argparse.Namespace) -> Limits:
     """The Limits the flags set; exits with a message when one is not positive."""
     values = {"max_body_bytes": args.max_body_bytes, "max_messages": args.max_messages,
               "max_choices": args.max_choices, "render_threads": args.render_threads,
-              "render_timeout_s": args.render_timeout}
+              "render_timeout_s": args.render_timeout, "max_upload_bytes": args.max_upload_bytes}
     for name, value in values.items():
         if not value > 0:
             raise SystemExit(f"loraplex-openai: --{name.removesuffix('_s').replace('_', '-')} must be > 0")
+    if args.max_upload_bytes > MAX_MESSAGE_BYTES - 1024 * 1024:
+        raise SystemExit(f"loraplex-openai: --max-upload-bytes must be at most {MAX_MESSAGE_BYTES - 1024 * 1024}")
     return Limits(**values)
 
 
@@ -105,7 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         default_max_tokens=args.default_max_tokens,
         max_model_len=args.max_model_len or (context_length(model_dir) if model_dir else None),
         limits=limits_from(args),
+        lora_root=str(Path(args.lora_root).resolve()) if args.lora_root else None,
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
     )
+    if args.lora_root and not Path(args.lora_root).is_dir():
+        print(f"loraplex-openai: --lora-root {args.lora_root}: not a directory", file=sys.stderr)
+        return 2
+    if args.lora_root and not settings.admin_key:
+        print(f"loraplex-openai: --lora-root is set but ${ADMIN_KEY_ENV} is not: /v1/load_lora_adapter and "
+              f"/v1/unload_lora_adapter stay off (404)", file=sys.stderr)
     try:
         app = create_app(settings)
     except OSError as exc:

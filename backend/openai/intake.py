@@ -71,8 +71,9 @@ async def _disconnected(receive) -> None:
 class Intake:
     """ASGI middleware: request id, bounded body, and cancel-on-disconnect for every HTTP request."""
 
-    def __init__(self, app, max_body_bytes: int):
+    def __init__(self, app, max_body_bytes: int, route_bytes: dict[str, int] | None = None):
         self.app, self.max_body_bytes = app, max_body_bytes
+        self.route_bytes = dict(route_bytes or {})  # path -> its own bound (an adapter upload's)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,7 +82,7 @@ class Intake:
         scope[REQUEST_ID], scope[ON_CLOSE] = rid, []
         tag, ended, gone = rid.encode(), False, asyncio.Event()
         try:
-            body = await _read_body(scope, receive, self.max_body_bytes)
+            body = await _read_body(scope, receive, self.route_bytes.get(scope.get("path"), self.max_body_bytes))
         except OpenAIError as exc:
             return await _refuse(send, exc, tag)
         if body is None:

@@ -16,6 +16,8 @@ MAX_MESSAGES = 1024  # chat messages per request
 MAX_CHOICES = 128  # prompts x n of one request: each prompt is a gRPC stream, each choice a sequence
 RENDER_THREADS = 4  # threads that render chat templates and count prompt tokens
 RENDER_TIMEOUT_S = 5.0  # a render job's bound, queueing included; the demo renders 2 MiB in ~20 ms
+MAX_UPLOAD_BYTES = 48 * 1024 * 1024  # an adapter's files (POST /v1/lora_adapters, a lora_path): one gRPC message
+MAX_MODELS = 10_000  # adapters /v1/models lists without ?limit= (more: has_more and ?after=)
 RENDER_QUEUE_PER_THREAD = 16  # jobs admitted per thread (running or queued); beyond: 503 at once
 
 
@@ -28,6 +30,7 @@ class Limits:
     max_choices: int = MAX_CHOICES
     render_threads: int = RENDER_THREADS
     render_timeout_s: float = RENDER_TIMEOUT_S
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         """400 when ``num_prompts * n`` is over ``max_choices`` (naming ``prompt`` or ``n``)."""

@@ -37,6 +37,8 @@ class GatewayProcess:
     model_dir: str | None = None
     served_model_name: str | None = None
     log_level: str = "warning"
+    lora_root: str | None = None  # --lora-root: vLLM's load/unload API (with admin_key)
+    admin_key: str | None = None  # passed as $LORAPLEX_ADMIN_KEY (never on the command line)
     proc: subprocess.Popen | None = field(default=None, init=False)
     started_at: float = field(default=0.0, init=False)
     _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -55,7 +57,16 @@ class GatewayProcess:
             cmd += ["--model-dir", str(self.model_dir)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
+        if self.lora_root:
+            cmd += ["--lora-root", str(self.lora_root)]
         return cmd
+
+    def env(self) -> dict[str, str]:
+        """Its environment: this one's, with the admin key when there is one."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.admin_key:
+            env["LORAPLEX_ADMIN_KEY"] = self.admin_key
+        return env
 
     def start(self) -> "GatewayProcess":
         """Launch it (does not wait); its output goes to the launcher's stderr."""
@@ -65,7 +76,7 @@ class GatewayProcess:
             err = None
         self._release_guard()  # a restart: the last child is gone
         self.proc = start_in_session(self.command(), signal.SIGTERM, stdin=subprocess.DEVNULL, stdout=err,
-                                     stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     stderr=err, env=self.env())
         self.started_at = time.monotonic()
         try:
             self._guard = start_guard(self.proc.pid, GUARD_GRACE)

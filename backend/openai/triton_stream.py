@@ -21,14 +21,17 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from loraplex.clients.generate import decode_response
 
-from loraplex.openai.errors import OpenAIError, from_rpc, from_triton, unavailable
+from loraplex.openai.errors import AUTH_TEXT, OpenAIError, bad_request, client_text, from_rpc, from_triton, unavailable
 
 log = logging.getLogger("loraplex.openai")
 
 MODEL = "lora_llm"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ADAPTERS_MODEL = "lora_adapters"
+ADMIN_PARAMETER = "loraplex_admin_key"  # loraplex.triton.adapters_model.ADMIN_PARAMETER
+ADMIN_REFUSED = "missing or invalid admin key"  # loraplex.triton.adapters_model.ADMIN_REFUSED
 LIST_TIMEOUT_S = 30.0
+WRITE_TIMEOUT_S = 120.0  # an upload or load: validation parses the whole adapter
 
 
 @dataclass(slots=True)
@@ -77,12 +80,27 @@ def build_request(prompt: str, params: dict, logprobs: bool, model: str = MODEL,
     return request
 
 
-def list_request(model: str = ADAPTERS_MODEL) -> service_pb2.ModelInferRequest:
-    """lora_adapters' ``list`` action (the caller's uploads and the shared names)."""
+def adapters_request(action: str, inputs: dict[str, str | bytes] | None = None, admin_key: str | None = None,
+                     model: str = ADAPTERS_MODEL) -> service_pb2.ModelInferRequest:
+    """One lora_adapters action; ``inputs`` are its other STRING [1] inputs (bytes sent as they are)."""
     request = service_pb2.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
-    request.inputs.append(_tensor("action", "list"))
+    request.inputs.append(_tensor("action", action))
+    for name, value in (inputs or {}).items():
+        tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, shape=[1], datatype="BYTES")
+        tensor.contents.bytes_contents.append(value if isinstance(value, bytes) else value.encode("utf-8"))
+        request.inputs.append(tensor)
+    if admin_key is not None:
+        request.parameters[ADMIN_PARAMETER].string_param = admin_key
     request.outputs.add(name="result")
     return request
+
+
+def list_request(model: str = ADAPTERS_MODEL, cursor: str | None = None, limit: int | None = None,
+                 name: str | None = None) -> service_pb2.ModelInferRequest:
+    """lora_adapters' ``list`` action: one page of the caller's uploads and the shared names (or one name)."""
+    inputs = {k: v for k, v in (("cursor", cursor), ("limit", None if limit is None else str(limit)),
+                                ("adapter_name", name)) if v is not None}
+    return adapters_request("list", inputs, model=model)
 
 
 def visible_names(result: dict) -> list[str]:
@@ -160,14 +178,41 @@ class TritonClient:
             if not finished:
                 call.cancel()
 
-    async def visible_adapters(self, headers: dict[str, str]) -> list[str]:
-        """The adapters the caller may use, from lora_adapters' ``list`` (authenticated as every request is)."""
+    async def adapters(self, request: service_pb2.ModelInferRequest, headers: dict[str, str],
+                       timeout: float = LIST_TIMEOUT_S) -> dict:
+        """One lora_adapters call (authenticated as every request is): its ``result`` JSON; OpenAIError if refused."""
         try:
-            reply = await self.stub().ModelInfer(list_request(), metadata=tuple(headers.items()),
-                                                 timeout=LIST_TIMEOUT_S)
+            reply = await self.stub().ModelInfer(request, metadata=tuple(headers.items()), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise unavailable(f"{ADAPTERS_MODEL} is not served by this Triton; cannot list adapters") from None
-            raise from_rpc(exc) from None
+            raise adapters_error(exc) from None
         raw = InferResult(reply).as_numpy("result").reshape(-1)[0]
-        return visible_names(json.loads(raw))
+        return json.loads(raw)
+
+    async def visible_adapters(self, headers: dict[str, str], cursor: str | None = None,
+                               limit: int | None = None) -> tuple[list[str], str | None]:
+        """One page of the adapters the caller may use (lora_adapters' ``list``), and the next page's cursor."""
+        result = await self.adapters(list_request(cursor=cursor, limit=limit), headers)
+        return visible_names(result), result.get("next")
+
+    async def may_use(self, headers: dict[str, str], name: str) -> bool:
+        """Whether the caller may use the adapter ``name`` (one lora_adapters lookup, whatever the store holds)."""
+        return name in visible_names(await self.adapters(list_request(name=name), headers))
+
+
+def adapters_error(exc: grpc.aio.AioRpcError) -> OpenAIError:
+    """The OpenAI error for a refused lora_adapters call (its messages are the store's own, for the client)."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND and "unknown model" in details.lower():
+        return unavailable(f"{ADAPTERS_MODEL} is not served by this Triton")
+    text = client_text(details) or "the adapter request was refused"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return OpenAIError(404, text, "not_found_error", None, "adapter_not_found")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if text.startswith(AUTH_TEXT) or text.startswith(ADMIN_REFUSED):
+            return OpenAIError(401, text, "invalid_request_error", None, "invalid_api_key")
+        return bad_request(text)
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # no adapter store / no admin key on the server
+        return OpenAIError(404, text, "not_found_error", None, "not_enabled")
+    if code == grpc.StatusCode.UNAVAILABLE and details and "store is full" in details:
+        return unavailable(text)
+    return from_rpc(exc)
