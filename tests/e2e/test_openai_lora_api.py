@@ -1,0 +1,205 @@
+"""vLLM's LoRA API and a tenant's HTTP upload on the gateway, through a real tritonserver and gateway process.
+
+One server (a tenants file, the admin key in its environment, 1,000 tiny shared adapters in the store)
+and one gateway with --lora-root. The oracle is transformers + peft on the files that were loaded or
+uploaded: the served greedy text must equal it, under the name the API gave them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import requests
+from helpers import run_gateway
+from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
+
+from loraplex.tenancy.tenants import key_digest
+
+KEYS = {"acme": "acme-lora-api-key", "globex": "globex-lora-api-key"}
+ADMIN_KEY = "operator-lora-api-key"
+WORK = Path(tempfile.mkdtemp(prefix="loraplex-lora-api-"))
+TENANTS_FILE = WORK / "tenants.json"
+TENANTS_FILE.write_text(json.dumps({"tenants": {t: {"api_key_sha256": key_digest(k).hex()} for t, k in KEYS.items()}}))
+LORA_ROOT = WORK / "loras"
+SHARED = 1000
+PROMPT = "The quick brown fox"
+
+
+def many_shared(store: Path, demo) -> Path:
+    """The demo adapters, and SHARED more shared folders (hard links to demo-a's files: cheap)."""
+    seed_demo_adapters(store, demo)
+    for i in range(SHARED):
+        folder = store / f"bulk-{i:04d}"
+        folder.mkdir()
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            os.link(store / "demo-a" / name, folder / name)
+    return store
+
+
+triton_server = make_triton_server_fixture(
+    env={"LORAPLEX_TENANTS_FILE": str(TENANTS_FILE), "LORAPLEX_ADMIN_KEY": ADMIN_KEY}, adapter_store=many_shared)
+
+
+@pytest.fixture(scope="module")
+def loras(demo) -> Path:
+    """--lora-root: copies of the demo adapters, and a link that leads out of it."""
+    LORA_ROOT.mkdir(exist_ok=True)
+    for name in ("demo-a", "demo-b"):
+        shutil.copytree(demo[name], LORA_ROOT / name, dirs_exist_ok=True)
+    outside = WORK / "outside"
+    shutil.copytree(demo["demo-a"], outside, dirs_exist_ok=True)
+    if not (LORA_ROOT / "escape").is_symlink():
+        (LORA_ROOT / "escape").symlink_to(outside)
+    return LORA_ROOT
+
+
+@pytest.fixture(scope="module")
+def gateway(triton_server, demo, loras, monkeypatch_module):
+    monkeypatch_module.setenv("LORAPLEX_ADMIN_KEY", ADMIN_KEY)  # what the gateway process inherits
+    with run_gateway(triton_server.grpc_url, demo["model"], WORK / "gateway.log", "--lora-root", str(loras)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def oracle(demo):
+    """oracle(adapter folder) -> transformers + peft's greedy 8 tokens of PROMPT, as text."""
+    from peft_reference import greedy_tokens
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo["model"])
+    ids = tokenizer(PROMPT).input_ids
+
+    def text(folder) -> str:
+        return tokenizer.decode(greedy_tokens(str(demo["model"]), str(folder), ids, 8, ignore_eos=True),
+                                skip_special_tokens=True)
+    return text
+
+
+def post(gateway: str, path: str, body=None, key: str | None = ADMIN_KEY, **kw) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{gateway}{path}", json=body, headers=headers, timeout=120, **kw)
+
+
+def complete(gateway: str, model: str, tenant: str = "acme") -> requests.Response:
+    return post(gateway, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True}, KEYS[tenant])
+
+
+def test_load_and_unload_need_the_admin_key(gateway):
+    body = {"lora_name": "ops", "lora_path": "demo-b"}
+    for key in (None, KEYS["acme"], "wrong"):
+        reply = post(gateway, "/v1/load_lora_adapter", body, key)
+        assert reply.status_code == 401 and "admin key" in reply.json()["error"]["message"]
+    assert post(gateway, "/v1/unload_lora_adapter", {"lora_name": "demo-a"}, KEYS["acme"]).status_code == 401
+    reply = requests.post(f"{gateway}/v1/load_lora_adapter", json=body, headers={"x-loraplex-admin-key": "no"})
+    assert reply.status_code == 401
+    assert complete(gateway, "ops").status_code == 404  # nothing was loaded
+
+
+@pytest.mark.parametrize("path", ["../outside", str(WORK / "outside"), "escape", "demo-a/../../outside", "/etc"])
+def test_lora_path_outside_the_root_is_refused(gateway, path):
+    reply = post(gateway, "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": path})
+    assert reply.status_code == 400 and "not under the gateway's --lora-root" in reply.json()["error"]["message"]
+    assert str(WORK / "outside") not in reply.text.replace(path, "")
+
+
+def test_a_loaded_adapter_is_served_to_every_tenant_replaced_in_place_and_unloaded(gateway, loras, oracle):
+    reply = post(gateway, "/v1/load_lora_adapter", {"lora_name": "ops", "lora_path": str(loras / "demo-b")})
+    assert reply.status_code == 200 and reply.text == "Success: LoRA adapter 'ops' added successfully."
+    want_b = oracle(loras / "demo-b")
+    for tenant in ("acme", "globex"):
+        got = complete(gateway, "ops", tenant)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == want_b and want_b
+    again = post(gateway, "/v1/load_lora_adapter", {"lora_name": "ops", "lora_path": "demo-a"})
+    assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+    assert post(gateway, "/v1/load_lora_adapter", {"lora_name": "demo-b", "lora_path": "demo-a"}).status_code == 400
+    inplace = post(gateway, "/v1/load_lora_adapter", {"lora_name": "ops", "lora_path": "demo-a", "load_inplace": True})
+    assert inplace.status_code == 200
+    want_a = oracle(loras / "demo-a")
+    assert want_a != want_b and complete(gateway, "ops").json()["choices"][0]["text"] == want_a
+    assert "ops" in {m["id"] for m in requests.get(f"{gateway}/v1/models", timeout=30,
+                                                   headers={"Authorization": f"Bearer {KEYS['globex']}"}).json()["data"]}
+    gone = post(gateway, "/v1/unload_lora_adapter", {"lora_name": "ops"})
+    assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'ops' removed successfully."
+    assert complete(gateway, "ops").status_code == 404
+    missing = post(gateway, "/v1/unload_lora_adapter", {"lora_name": "ops"})
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "The lora adapter 'ops' cannot be found."
+
+
+def test_a_bad_adapter_is_refused_as_an_upload_is(gateway, loras):
+    bad = loras / "bad"
+    bad.mkdir(exist_ok=True)
+    (bad / "adapter_config.json").write_text((loras / "demo-a" / "adapter_config.json").read_text())
+    (bad / "adapter_model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      " + b"junk")
+    reply = post(gateway, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "bad"})
+    assert reply.status_code == 400, reply.text
+    assert complete(gateway, "bad").status_code == 404
+
+
+def upload(gateway: str, tenant: str, name: str, folder: Path) -> requests.Response:
+    files = {"name": (None, name), "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+             "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())}
+    return requests.post(f"{gateway}/v1/lora_adapters", files=files, timeout=120,
+                         headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+
+def test_a_tenants_multipart_upload_is_served_to_it_only(gateway, demo, oracle):
+    reply = upload(gateway, "acme", "mine", Path(demo["demo-b"]))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["name"] == "mine" and len(reply.json()["version"]) == 16
+    chat = post(gateway, "/v1/completions", {"model": "mine", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True}, KEYS["acme"])
+    assert chat.status_code == 200 and chat.json()["choices"][0]["text"] == oracle(demo["demo-b"])
+    assert complete(gateway, "mine", "globex").status_code == 404
+    refused = requests.post(f"{gateway}/v1/lora_adapters", files={"name": (None, "x")}, timeout=30,
+                            headers={"Authorization": f"Bearer {KEYS['acme']}"})
+    assert refused.status_code == 400 and "adapter_config" in refused.json()["error"]["message"]
+    assert upload(gateway, "acme", "../x", Path(demo["demo-a"])).status_code == 400
+    anonymous = requests.post(f"{gateway}/v1/lora_adapters", timeout=30, files={
+        "name": (None, "y"), "adapter_config": ("c", b"{}"), "adapter_model": ("m", b"w")})
+    assert anonymous.status_code == 401
+
+
+def test_an_upload_over_the_bound_is_refused_while_it_is_read(gateway):
+    reply = requests.post(f"{gateway}/v1/lora_adapters", data=b"x" * (48 * 1024 * 1024 + 1), timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS['acme']}",
+                                   "Content-Type": "multipart/form-data; boundary=b"})
+    assert reply.status_code == 413
+
+
+def test_models_lists_1000_shared_adapters_whole_and_by_pages(gateway):
+    headers = {"Authorization": f"Bearer {KEYS['globex']}"}
+    whole = requests.get(f"{gateway}/v1/models", headers=headers, timeout=60).json()
+    ids = [m["id"] for m in whole["data"]]
+    assert ids[0] == "model" and whole["has_more"] is False
+    assert {f"bulk-{i:04d}" for i in range(SHARED)} | {"demo-a", "demo-b"} <= set(ids[1:])
+    assert ids[1:] == sorted(ids[1:]) and len(ids) == len(set(ids))
+    paged, after = [], None
+    while True:
+        page = requests.get(f"{gateway}/v1/models", headers=headers, timeout=60,
+                            params={"limit": 128, **({"after": after} if after else {})}).json()
+        paged += [m["id"] for m in page["data"] if m["parent"] is not None]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert paged == ids[1:]
+    assert requests.get(f"{gateway}/v1/models", headers=headers, params={"limit": 5000}, timeout=30).status_code == 400
+
+
+def test_the_api_is_off_without_lora_root(triton_server, demo):
+    with run_gateway(triton_server.grpc_url, demo["model"], WORK / "plain.log") as url:
+        reply = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "demo-a"})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_enabled"
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "x"}).status_code == 404
