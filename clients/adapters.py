@@ -55,11 +55,12 @@ def _client_module(protocol: str):
 
 
 def build_inputs(module, action: str, name: str | None = None, config_text: str | None = None,
-                 weights: bytes | None = None) -> list:
+                 weights: bytes | None = None, cursor: str | None = None, limit: int | None = None) -> list:
     """The `lora_adapters` input tensors (STRING/BYTES [1] each) for one action."""
     inputs = []
     for input_name, value in (("action", action), ("adapter_name", name), ("adapter_config", config_text),
-                              ("adapter_weights", weights)):
+                              ("adapter_weights", weights), ("cursor", cursor),
+                              ("limit", None if limit is None else str(limit))):
         if value is None:
             continue
         raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
@@ -71,12 +72,12 @@ def build_inputs(module, action: str, name: str | None = None, config_text: str 
 
 def adapter_request(url: str, action: str, name: str | None = None, config_text: str | None = None,
                     weights: bytes | None = None, headers: dict | None = None, protocol: str = "grpc",
-                    timeout: float = 120.0) -> dict:
+                    timeout: float = 120.0, cursor: str | None = None, limit: int | None = None) -> dict:
     """One `lora_adapters` request: its `result` JSON; raises tritonclient's InferenceServerException on an error."""
     module = _client_module(protocol)
     client = module.InferenceServerClient(url, **({"network_timeout": timeout} if protocol == "http" else {}))
     try:
-        inputs = build_inputs(module, action, name, config_text, weights)
+        inputs = build_inputs(module, action, name, config_text, weights, cursor, limit)
         outputs = [module.InferRequestedOutput("result")]
         kwargs = {"client_timeout": timeout} if protocol == "grpc" else {}
         result = client.infer(MODEL, inputs, outputs=outputs, headers=headers, **kwargs)
@@ -92,9 +93,16 @@ def upload_adapter(url: str, name: str, folder: str | os.PathLike, **kw) -> dict
     return adapter_request(url, "upload", name, config_text, weights, **kw)
 
 
-def list_adapters(url: str, **kw) -> list[dict]:
-    """The caller's adapters, sorted by name."""
-    return adapter_request(url, "list", **kw)["adapters"]
+def list_adapters(url: str, max_pages: int = 1000, **kw) -> list[dict]:
+    """The caller's adapters, sorted by name (every page of the paginated list, up to ``max_pages``)."""
+    found, cursor = [], None
+    for _ in range(max_pages):
+        result = adapter_request(url, "list", cursor=cursor, **kw)
+        found += result["adapters"]
+        cursor = result.get("next")
+        if cursor is None:
+            break
+    return found
 
 
 def adapter_info(url: str, name: str, **kw) -> dict:
