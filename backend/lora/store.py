@@ -29,9 +29,12 @@ read one pointer file or stat one folder; ``page``/``shared_page`` read one fold
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
@@ -41,6 +44,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -59,6 +63,8 @@ TENANTS_DIR = ".tenants"
 SHARED_DIR = ".shared"
 SHARED_OWNER = ""  # StoredAdapter.tenant of a shared adapter loaded at run time
 MAX_PAGE = 1000  # names one list page may hold
+NAME_CACHE = 256  # folders whose sorted names a store keeps (keyed by the folder's mtime)
+NAME_SETTLE_NS = 2_000_000_000  # a listing is kept once its folder's mtime is this old
 TMP_PREFIX = ".tmp-"
 TENANT_DIR = re.compile(r"[0-9a-f]{32}")
 RETIRED_VERSION_GRACE_SECONDS = 600
@@ -181,6 +187,8 @@ class AdapterStore:
         self.max_bytes = max_bytes  # every tenant's versions on disk together; 0 = no cap
         self.clock = clock  # unix time: retirement stamps, the grace period, the collection interval
         self._last_collect = clock()
+        self._names_cache: OrderedDict[tuple[str, str], tuple[int, tuple[str, ...]]] = OrderedDict()
+        self._names_lock = threading.Lock()
 
     # reading (cheap: the engine calls lookup on every request naming an adapter) ---------------
 
@@ -209,25 +217,61 @@ class AdapterStore:
              read: bool = True) -> Page:
         """One page of the names ``tenant`` may use, sorted by name, after the name ``after`` ("" = the first page).
 
-        ``extra_shared`` are shared names from elsewhere (multi_lora.json). Reads three folders' names
-        (one listdir each), then only the page's pointers (unless not ``read``) and shared folders: the
-        rest of the store is never stat'ed or read.
+        ``extra_shared`` are shared names from elsewhere (multi_lora.json). Three folders' sorted names
+        come from ``names`` (a stat each while unchanged), then only the page's pointers (unless not
+        ``read``) and shared folders are read: the rest of the store is never stat'ed or read.
         """
         limit = max(1, min(int(limit), MAX_PAGE))
-        own = _names(self._tenant_dir(tenant) / "adapters", ".json")
-        loaded = _names(self.root / SHARED_DIR / "adapters", ".json")
-        folders = _names(self.root, "")
-        names = sorted(n for n in own | loaded | folders | set(extra_shared) if n > after)
-        window = names[:limit]
+        own = self.names(self._tenant_dir(tenant) / "adapters", ".json")
+        loaded = self.names(self.root / SHARED_DIR / "adapters", ".json")
+        folders = self.names(self.root, "")
+        extra = tuple(sorted(extra_shared))
+        lists = (own, loaded, folders, extra)
+        starts = [bisect.bisect_right(names, after) for names in lists]
+        window: list[str] = []
+        for name in heapq.merge(*(itertools.islice(names, i, None) for names, i in zip(lists, starts))):
+            if window and window[-1] == name:
+                continue
+            if len(window) == limit:
+                break
+            window.append(name)
+        else:
+            name = None  # no name after the window
+        total = sum(len(names) - i for names, i in zip(lists, starts))  # names on a list twice count twice
         mine, shared = [], []
-        for name in window:
-            if name in own:
-                stored = self.lookup(tenant, name) if read else None
+        for name_ in window:
+            if _has(own, name_):
+                stored = self.lookup(tenant, name_) if read else None
                 if stored is not None or not read:
-                    mine.append(stored if read else name)
-            if name in loaded or name in extra_shared or (name in folders and self.shared_folder(name)):
-                shared.append(name)
-        return Page(mine, shared, window[-1] if len(names) > limit else None, len(names))
+                    mine.append(stored if read else name_)
+            if _has(loaded, name_) or _has(extra, name_) or (_has(folders, name_) and self.shared_folder(name_)):
+                shared.append(name_)
+        return Page(mine, shared, window[-1] if name is not None else None, total)
+
+    def names(self, folder: Path, suffix: str) -> tuple[str, ...]:
+        """The adapter names in ``folder`` (entries ending in ``suffix``, removed), sorted: one stat while the
+        folder is unchanged (its mtime), one listdir when it changed; the last NAME_CACHE folders are kept.
+        A listing is reused only once its mtime is NAME_SETTLE_NS old: a file system's clock is coarse (a
+        change in the same tick keeps the mtime), so a folder changed just now is listed again."""
+        try:
+            stamp = os.stat(folder).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            return ()
+        key = (str(folder), suffix)
+        with self._names_lock:
+            cached = self._names_cache.get(key)
+            if cached is not None and cached[0] == stamp:
+                self._names_cache.move_to_end(key)
+                return cached[1]
+        names = tuple(sorted(_names(folder, suffix)))
+        if time.time_ns() - stamp < NAME_SETTLE_NS:
+            return names
+        with self._names_lock:
+            self._names_cache[key] = (stamp, names)
+            self._names_cache.move_to_end(key)
+            while len(self._names_cache) > NAME_CACHE:
+                self._names_cache.popitem(last=False)
+        return names
 
     def _tenant_dir(self, tenant: str) -> Path:
         return self.root / TENANTS_DIR / tenant_dir_name(tenant)
@@ -659,6 +703,12 @@ def _names(folder: Path, suffix: str) -> set[str]:
         return set()
     return {e[:len(e) - len(suffix)] for e in entries
             if e.endswith(suffix) and ADAPTER_NAME.fullmatch(e[:len(e) - len(suffix)])}
+
+
+def _has(names: tuple[str, ...], name: str) -> bool:
+    """Whether the sorted ``names`` hold ``name`` (bisect)."""
+    i = bisect.bisect_left(names, name)
+    return i < len(names) and names[i] == name
 
 
 def _folder_bytes(path: Path) -> int:

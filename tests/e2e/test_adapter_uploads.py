@@ -261,7 +261,7 @@ def test_inputs_that_do_not_fit_the_action_are_refused(triton_server):
     assert "unknown action 'rename'" in refused(triton_server, "rename", "x", headers=key("acme"))
     assert "upload needs the input(s) adapter_config, adapter_weights" in refused(
         triton_server, "upload", "x", headers=key("acme"))
-    assert "list takes no input(s) adapter_name" in refused(triton_server, "list", "x", headers=key("acme"))
+    assert "list takes no input(s) adapter_config" in refused(triton_server, "list", "x", "{}", headers=key("acme"))
 
 
 def test_20_replacements_under_one_name_leave_the_current_and_two_retired_versions(triton_server, folders):

@@ -42,7 +42,15 @@ def big_store(tmp_path_factory) -> AdapterStore:
         _pointer(loaded, f"loaded-{i:05d}", "v2")
         (root / f"folder-{i:05d}").mkdir()
         (root / f"folder-{i:05d}" / "adapter_config.json").write_text("{}")
+    settle(own, loaded, root)
     return AdapterStore(root)
+
+
+def settle(*folders: Path) -> None:
+    """Date the folders' last change 10 s back: past NAME_SETTLE_NS, so their listings may be reused."""
+    for folder in folders:
+        stamp = folder.stat().st_mtime - 10
+        os.utime(folder, (stamp, stamp))
 
 
 @pytest.fixture
@@ -86,16 +94,17 @@ def test_the_unknown_lora_error_lists_about_2000_characters_and_how_many_more(bi
     assert MAX_NAMES_TEXT - 20 < len(listed) <= MAX_NAMES_TEXT
     shown = listed.count("'") // 2
     assert message.endswith(f"] and {3 * N - shown} more")
-    assert calls["listdir"] == 3 and calls["scandir"] == 0
+    assert calls["listdir"] <= 3 and calls["scandir"] == 0  # 0 once the listings are cached
     assert calls["open"] <= 2 and calls["stat"] <= 2 * (MAX_NAMES_TEXT // 4) + 10  # a bounded window's folders
 
 
 def test_pages_cover_every_name_once_and_read_only_their_own_entries(big_store, calls):
     seen, after, pages = [], "", 0
+    big_store.page("acme")  # lists the three folders (at most 3 listdirs); later pages stat them only
     while True:
         calls.clear()
         page = big_store.page("acme", after, MAX_PAGE, extra_shared={"multi"})
-        assert calls["listdir"] == 3 and calls["scandir"] == 0
+        assert calls["listdir"] == calls["scandir"] == 0
         assert calls["open"] <= MAX_PAGE and calls["stat"] <= MAX_PAGE + 10
         seen += page.names()
         pages += 1
@@ -109,6 +118,22 @@ def test_pages_cover_every_name_once_and_read_only_their_own_entries(big_store, 
     assert [a.name for a in big_store.page("acme", "own-09997").own] == ["own-09998", "own-09999"]
     assert big_store.page("globex", "loaded-09999").names() == []  # acme's uploads are not globex's
     assert len(big_store.page("acme", "", 10**9).names()) == MAX_PAGE  # the limit is bounded
+
+
+def test_a_folder_listing_is_reused_until_the_folder_changes(tmp_path, calls):
+    store = AdapterStore(tmp_path / "store")
+    folder = tmp_path / "store" / ".shared" / "adapters"
+    folder.mkdir(parents=True)
+    _pointer(folder, "a", "v1")
+    calls.clear()
+    assert store.names(folder, ".json") == ("a",) and calls["listdir"] == 1
+    assert store.names(folder, ".json") == ("a",) and calls["listdir"] == 2  # changed just now: listed again
+    settle(folder)
+    store.names(folder, ".json")
+    calls.clear()
+    assert store.names(folder, ".json") == ("a",) and calls["listdir"] == 0 and calls["stat"] == 1
+    _pointer(folder, "b", "v1")  # the folder's mtime moves
+    assert store.names(folder, ".json") == ("a", "b") and calls["listdir"] == 1
 
 
 def test_names_text_cuts_at_the_limit():
