@@ -124,6 +124,12 @@ class Page:
         return sorted({a if isinstance(a, str) else a.name for a in self.own} | set(self.shared))
 
 
+def _already_loaded(name: str) -> AdapterStoreError:
+    """vLLM's text for a shared name loaded again without load_inplace."""
+    return AdapterStoreError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                             f"adapter in place, set 'load_inplace' to True.")
+
+
 def not_found(name: str) -> AdapterNotFound:
     """The one error for a name the tenant does not have (whether or not another tenant has it)."""
     return AdapterNotFound(f"adapter {name!r} not found")
@@ -350,11 +356,10 @@ class AdapterStore:
         check_name(name)
         exists = self.lookup_shared(name) is not None or self.shared_folder(name) is not None
         if exists and not replace:
-            raise AdapterStoreError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                    f"adapter in place, set 'load_inplace' to True.")
+            raise _already_loaded(name)
         self.maybe_collect()
         return self._store_version(Tenant(SHARED_OWNER, b""), self.root / SHARED_DIR, name, config_text, weights,
-                                   hf_config, max_lora_rank, capped=False)
+                                   hf_config, max_lora_rank, capped=False, replace=replace)
 
     def unload_shared(self, name: str) -> StoredAdapter:
         """Remove the shared adapter ``name`` loaded at run time (its version stays for the grace period)."""
@@ -378,7 +383,7 @@ class AdapterStore:
         return old
 
     def _store_version(self, tenant: Tenant, tdir: Path, name: str, config_text: str, weights: bytes, hf_config,
-                       max_lora_rank: int, capped: bool = True) -> StoredAdapter:
+                       max_lora_rank: int, capped: bool = True, replace: bool = True) -> StoredAdapter:
         """Validate, then make the adapter the current version of ``name`` in ``tdir`` (a tenant's or .shared)."""
         config_bytes, weights = self._checked_files(name, config_text, weights, tenant, hf_config, max_lora_rank)
         version = adapter_digest(config_bytes, weights)[:16]  # content-addressed: same bytes, same folder
@@ -402,6 +407,8 @@ class AdapterStore:
         with self._locked(tdir):
             pointer = tdir / "adapters" / f"{name}.json"
             old = self._read_pointer(tenant.name, pointer, name)
+            if old is not None and not replace:  # loaded meanwhile (checked early without the lock)
+                raise _already_loaded(name)
             self._gc(tdir, keep={(name, version)})
             if not target.is_dir():
                 if capped:
