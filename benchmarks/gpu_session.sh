@@ -7,7 +7,8 @@
 # at most its own cap and what is left; one that fails or times out does not stop the rest. $OUT gets two files, both kept current after every stage (the device
 # tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
 # output and JSON). STAGES (names, space-separated) runs only those stages.
-# Usage (device tool): SESSION_S=480 [STAGES="engine_check gpu_kernels"] bash benchmarks/gpu_session.sh
+# Usage (device tool, carry [".cache/gpu-carry"] after `bash benchmarks/triton_gpu_bundle.sh` here):
+#   SESSION_S=480 [STAGES="engine_check gpu_kernels"] bash benchmarks/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/loraplex-gpu-out}
 WORK=$(mktemp -d /tmp/loraplex-gpu-XXXX)
@@ -51,6 +52,9 @@ run() {  # name, cap in seconds, command...
   bundle
 }
 run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check.json"
+# Triton end to end on the GPU (decision 058): needs .cache/gpu-carry carried (benchmarks/triton_gpu_bundle.sh)
+run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device cuda --eager \
+    --json "$WORK/triton_gpu.json"
 run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
     --ranks 16 64 --out "$WORK/gpu_kernels.json"
 run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"

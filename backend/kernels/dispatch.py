@@ -2,7 +2,8 @@
 
 ``LORAPLEX_KERNELS`` is read once, at import: ``auto`` (default) runs the kernels on CUDA
 tensors and, on CPU tensors, the native C ops (``cpu_native``) where they serve the call, else
-the torch reference; ``reference`` keeps CPU tensors on the torch reference; ``shim`` runs CPU
+the torch reference; ``reference`` keeps every tensor on the torch path, CUDA ones included (no CuPy: the
+Triton stub beside NumPy 1, decision 058); ``shim`` runs CPU
 tensors through the .cu kernels, compiled for the CPU shim (slow; for tests), and the layer ops
 that have no .cu kernel through the reference. A call whose shapes a kernel cannot serve
 (``preconditions``) takes the torch path: SDPA for prefill on CUDA, else the reference.
@@ -49,8 +50,8 @@ MODE = read_mode()
 
 
 def uses_kernels(device: torch.device) -> bool:
-    """Whether tensors on device run the .cu kernels (CUDA always; the CPU only in shim mode)."""
-    return device.type == "cuda" or MODE == "shim"
+    """Whether tensors on device run the .cu kernels (CUDA unless mode reference; the CPU only in shim mode)."""
+    return (device.type == "cuda" and MODE != "reference") or MODE == "shim"
 
 
 @functools.lru_cache(maxsize=None)
