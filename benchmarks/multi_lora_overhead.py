@@ -4,7 +4,7 @@ requests on the base model, on one server, with an independent gRPC client.
     python benchmarks/multi_lora_overhead.py [--rounds 3] [--quick] [--json PATH]
 
 One `loraplex-serve` (make serve's defaults) serves W1's random model with its 8 adapters in the
-adapter store. After a warm-up request per adapter, the rounds alternate: all 48 W1 requests at
+adapter store. After a warm-up request per adapter and one unmeasured W1 run of each kind, the rounds alternate: all 48 W1 requests at
 once over the adapters (round-robin), then the same 48 on the base model, then again. The client
 is `clients/load.py`'s `run_streams` (one `tritonclient.grpc` stream per request, not AIPerf).
 Each run's figure is useful output tokens / wall time from the first send to the last final
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             server.start(300)
             serving.warm_up(server.http_url, [*adapters, serving.BASE_MODEL])
             url = f"127.0.0.1:{server.grpc_port}"
+            served_run(url, requests, adapters), served_run(url, requests, [])  # first full batches: not measured
             served = [{"run": "base", **served_run(url, requests, [])}]
             for _ in range(args.rounds):
                 served.append({"run": "adapters", **served_run(url, requests, adapters)})
