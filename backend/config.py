@@ -48,7 +48,7 @@ class EngineConfig:
     metric_tenant_label: str = "name"  # "name", or "hash": a stable hash of the name (metrics.hashed_tenant) instead
     metric_tenant_salt: str = ""  # mixed into "hash" labels: the same on every replica keeps them comparable
     max_adapter_wait_steps: int = 32  # a request skipped this many steps for want of an adapter slot blocks later ones
-    adapter_admission: str = "resident_first"  # resident_first: pass over requests whose adapter would evict another's
+    adapter_admission: str = "policy"  # policy order | resident_first: pass over requests that would evict an adapter
     max_adapter_wait_seconds: float = 2.0  # resident_first: no request is passed over later than this after arrival
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # tenant | global
