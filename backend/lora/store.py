@@ -117,7 +117,7 @@ class Page:
     own: list  # StoredAdapter (names only when the page was not read)
     shared: list[str]
     next: str | None  # the ``after`` of the next page; None: this is the last
-    total: int  # names from this page's start to the end (approximate: shared folders unchecked)
+    total: int  # distinct names from this page's start to the end (shared folders counted unchecked)
 
     def names(self) -> list[str]:
         """Every name on the page, sorted."""
@@ -195,6 +195,7 @@ class AdapterStore:
         self._last_collect = clock()
         self._names_cache: OrderedDict[tuple[str, str], tuple[int, tuple[str, ...]]] = OrderedDict()
         self._names_lock = threading.Lock()
+        self._union = None  # (loaded, folders, extra, their sorted union): _shared_union's last answer
 
     # reading (cheap: the engine calls lookup on every request naming an adapter) ---------------
 
@@ -232,7 +233,8 @@ class AdapterStore:
         loaded = self.names(self.root / SHARED_DIR / "adapters", ".json")
         folders = self.names(self.root, "")
         extra = tuple(sorted(extra_shared))
-        lists = (own, loaded, folders, extra)
+        every = self._shared_union(loaded, folders, extra)
+        lists = (own, every)
         starts = [bisect.bisect_right(names, after) for names in lists]
         window: list[str] = []
         for name in heapq.merge(*(itertools.islice(names, i, None) for names, i in zip(lists, starts))):
@@ -243,7 +245,7 @@ class AdapterStore:
             window.append(name)
         else:
             name = None  # no name after the window
-        total = sum(len(names) - i for names, i in zip(lists, starts))  # names on a list twice count twice
+        total = len(every) - starts[1] + sum(not _has(every, n) for n in itertools.islice(own, starts[0], None))
         mine, shared = [], []
         for name_ in window:
             if _has(own, name_):
@@ -253,6 +255,17 @@ class AdapterStore:
             if _has(loaded, name_) or _has(extra, name_) or (_has(folders, name_) and self.shared_folder(name_)):
                 shared.append(name_)
         return Page(mine, shared, window[-1] if name is not None else None, total)
+
+    def _shared_union(self, loaded: tuple, folders: tuple, extra: tuple) -> tuple[str, ...]:
+        """Every shared name, sorted, once: reused while the three listings are the same objects (cached)."""
+        with self._names_lock:
+            last = self._union
+            if last is not None and last[0] is loaded and last[1] is folders and last[2] == extra:
+                return last[3]
+        union = tuple(sorted(set(loaded) | set(folders) | set(extra)))
+        with self._names_lock:
+            self._union = (loaded, folders, extra, union)
+        return union
 
     def names(self, folder: Path, suffix: str) -> tuple[str, ...]:
         """The adapter names in ``folder`` (entries ending in ``suffix``, removed), sorted: one stat while the

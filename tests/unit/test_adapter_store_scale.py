@@ -208,3 +208,19 @@ def test_an_upload_of_the_same_name_wins_for_its_tenant_only(tmp_path, base_mode
     catalog = AdapterCatalog(store, {})
     assert catalog.resolve("acme", "x")[0] == tenant_key("acme", "x", own.version)
     assert catalog.resolve("globex", "x")[0] == shared_key("x", shared.version)
+
+
+def test_a_name_in_several_places_is_listed_and_counted_once(tmp_path):
+    store = AdapterStore(tmp_path / "store")
+    for name in ("a", "b"):
+        (store.root / name).mkdir(parents=True)
+        (store.root / name / "adapter_config.json").write_text("{}")
+    own = store.root / ".tenants" / tenant_dir_name("acme") / "adapters"
+    own.mkdir(parents=True)
+    _pointer(own, "a", "v1")
+    page = store.page("acme", extra_shared={"a", "c"})
+    assert page.names() == ["a", "b", "c"] and page.total == 3 and page.next is None
+    assert [s.name for s in page.own] == ["a"] and page.shared == ["a", "b", "c"]
+    with pytest.raises(AdapterNotFound) as err:
+        AdapterCatalog(store, {"a": "/x", "c": "/y"}).resolve("acme", "bogus")
+    assert err.value.args[0] == "LoRA bogus is not supported, we currently support ['a', 'b', 'c']"
