@@ -328,8 +328,8 @@ class LLMEngine:
             self._rereading.discard(name)
             if preloaded is None:
                 self._reread_failed.add(name)
-            elif name in self.adapters.names():
-                self.adapters.adopt(name, preloaded)
+            else:
+                self.adapters.adopt(name, preloaded)  # unless unregistered or changed meanwhile
 
     def _preloaded(self, request: Request, preloaded) -> None:
         """The preloader's worker read the request's adapter (None: the read failed): queue the request."""

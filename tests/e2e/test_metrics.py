@@ -127,6 +127,8 @@ def test_step_histograms_and_engine_state(triton_server, traffic):
         assert metric(triton_server, f"loraplex_{name}_count", steps) == steps, name
     assert metric(triton_server, "loraplex_adapter_loads_total", 1, tier="host") == 1
     assert metric(triton_server, "loraplex_adapter_loads_total", 1, tier="device") == 1
+    for stage in ("disk_read", "host_to_device"):  # the same one load, timed
+        assert metric(triton_server, "loraplex_adapter_load_seconds_count", 1, stage=stage) == 1, stage
     assert metric(triton_server, "loraplex_adapters_resident", 1, tier="device") == 1
     assert metric(triton_server, "loraplex_adapter_evictions_total", 0, tier="device") == 0
     assert wait_for_metric(triton_server, "loraplex_adapter_uploads_total", 1, tenant="alpha",
