@@ -60,12 +60,12 @@ __device__ __forceinline__ int run_end(const int* s_slot, int i, int n) {
 
 template <typename T, int VEC, int TILE, typename SlotOf>
 __device__ void shrink_tile(T* out, const T* x, const T* a, const int* ranks, SlotOf slot_of,
-                            int num_tokens, int h_in, int max_rank) {
+                            int num_tokens, int h_in, int max_rank, int rank_block, int out_stride) {
   __shared__ int s_slot[TILE];
   const int n = load_tile_slots<TILE>(s_slot, slot_of, num_tokens);
   const int t0 = blockIdx.x * TILE;
   const int lane = threadIdx.x % 32;
-  const int r = blockIdx.y * lora::kShrinkWarps + threadIdx.x / 32;
+  const int r = rank_block * lora::kShrinkWarps + threadIdx.x / 32;
   if (r >= max_rank) return;
   for (int i = 0; i < n;) {
     const int j = run_end(s_slot, i, n);
@@ -94,11 +94,11 @@ __device__ void shrink_tile(T* out, const T* x, const T* a, const int* ranks, Sl
       for (int k = 0; k < TILE; ++k) {
         if (i + k < j) {
           const float s = warp_sum(acc[k]);
-          if (lane == 0) out[(long long)(t0 + i + k) * max_rank + r] = from_float<T>(s);
+          if (lane == 0) out[(long long)(t0 + i + k) * out_stride + r] = from_float<T>(s);
         }
       }
     } else if (lane == 0) {
-      for (int k = i; k < j; ++k) out[(long long)(t0 + k) * max_rank + r] = from_float<T>(0.f);
+      for (int k = i; k < j; ++k) out[(long long)(t0 + k) * out_stride + r] = from_float<T>(0.f);
     }
     i = j;
   }
@@ -106,12 +106,13 @@ __device__ void shrink_tile(T* out, const T* x, const T* a, const int* ranks, Sl
 
 template <typename T, int VEC, int TILE, typename SlotOf>
 __device__ void expand_tile(T* y, const T* v, const T* b, const int* ranks, const float* scales,
-                            SlotOf slot_of, int num_tokens, int h_out, int max_rank, int v_cols) {
+                            SlotOf slot_of, int num_tokens, int h_out, int max_rank, int v_cols,
+                            int col_block, long long y_stride, int v_stride) {
   __shared__ int s_slot[TILE];
   __shared__ float s_v[TILE][lora::kRankChunk];
   const int n = load_tile_slots<TILE>(s_slot, slot_of, num_tokens);
   const int t0 = blockIdx.x * TILE;
-  const int o = blockIdx.y * blockDim.x + threadIdx.x;
+  const int o = col_block * blockDim.x + threadIdx.x;
   for (int i = 0; i < n;) {
     const int j = run_end(s_slot, i, n);
     const int slot = s_slot[i];
@@ -127,7 +128,7 @@ __device__ void expand_tile(T* y, const T* v, const T* b, const int* ranks, cons
         __syncthreads();  // the previous chunk has been consumed
         for (int e = threadIdx.x; e < (j - i) * lora::kRankChunk; e += blockDim.x) {
           const int k = e / lora::kRankChunk, c = e % lora::kRankChunk;
-          s_v[k][c] = c < cn ? to_float(v[(long long)(t0 + i + k) * v_cols + c0 + c]) : 0.f;
+          s_v[k][c] = c < cn ? to_float(v[(long long)(t0 + i + k) * v_stride + c0 + c]) : 0.f;
         }
         __syncthreads();
         if (o < h_out) {
@@ -156,7 +157,7 @@ __device__ void expand_tile(T* y, const T* v, const T* b, const int* ranks, cons
 #pragma unroll
         for (int k = 0; k < TILE; ++k) {
           if (i + k < j) {
-            T* p = y + (long long)(t0 + i + k) * h_out + o;
+            T* p = y + (long long)(t0 + i + k) * y_stride + o;
             *p = from_float<T>(to_float(*p) + scale * acc[k]);
           }
         }
@@ -172,7 +173,8 @@ template <typename T, int VEC, int TILE = lora::kBgmvTile>
 __global__ void __launch_bounds__(32 * lora::kShrinkWarps)
     shrink_bgmv(T* out, const T* x, const T* a, const int* ranks, const int* token_slots,
                 int num_tokens, int h_in, int max_rank) {
-  shrink_tile<T, VEC, TILE>(out, x, a, ranks, TokenSlots{token_slots}, num_tokens, h_in, max_rank);
+  shrink_tile<T, VEC, TILE>(out, x, a, ranks, TokenSlots{token_slots}, num_tokens, h_in, max_rank,
+                            blockIdx.y, max_rank);
 }
 
 // grid (ceil(T / kSgmvTile), ceil(R / kShrinkWarps)), block 32 * kShrinkWarps.
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(32 * lora::kShrinkWarps)
                 const int* seg_slots, int num_segs, int num_tokens, int h_in, int max_rank) {
   shrink_tile<T, VEC, lora::kSgmvTile>(out, x, a, ranks,
                                        SegmentSlots{seg_starts, seg_slots, num_segs},
-                                       num_tokens, h_in, max_rank);
+                                       num_tokens, h_in, max_rank, blockIdx.y, max_rank);
 }
 
 // grid (ceil(T / TILE), ceil(h_out / kExpandThreads)), block kExpandThreads.
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(lora::kExpandThreads)
     expand_bgmv(T* y, const T* v, const T* b, const int* ranks, const float* scales,
                 const int* token_slots, int num_tokens, int h_out, int max_rank, int v_cols) {
   expand_tile<T, VEC, TILE>(y, v, b, ranks, scales, TokenSlots{token_slots}, num_tokens, h_out,
-                            max_rank, v_cols);
+                            max_rank, v_cols, blockIdx.y, h_out, v_cols);
 }
 
 // grid (ceil(T / kSgmvTile), ceil(h_out / kExpandThreads)), block kExpandThreads.
@@ -202,5 +204,82 @@ __global__ void __launch_bounds__(lora::kExpandThreads)
                 int h_out, int max_rank, int v_cols) {
   expand_tile<T, VEC, lora::kSgmvTile>(y, v, b, ranks, scales,
                                        SegmentSlots{seg_starts, seg_slots, num_segs},
-                                       num_tokens, h_out, max_rank, v_cols);
+                                       num_tokens, h_out, max_rank, v_cols, blockIdx.y, h_out, v_cols);
+}
+
+// Fused group (q/k/v or gate/up: modules that read one input x): up to three modules' A stacks
+// [S, R, h_in] (one max rank R) in one launch, out [T, groups * R] with module g in columns
+// [g * R, (g + 1) * R). grid (ceil(T / TILE), groups * ceil(R / kShrinkWarps)); unused a2/ranks2 may
+// repeat a1/ranks1.
+template <typename T, int VEC, int TILE = lora::kBgmvTile>
+__global__ void __launch_bounds__(32 * lora::kShrinkWarps)
+    shrink_bgmv_group(T* out, const T* x, const T* a0, const T* a1, const T* a2, const int* ranks0,
+                      const int* ranks1, const int* ranks2, const int* token_slots, int groups,
+                      int num_tokens, int h_in, int max_rank) {
+  const int per_module = (max_rank + lora::kShrinkWarps - 1) / lora::kShrinkWarps;
+  const int g = blockIdx.y / per_module;
+  if (g >= groups) return;
+  const T* a = g == 0 ? a0 : (g == 1 ? a1 : a2);
+  const int* ranks = g == 0 ? ranks0 : (g == 1 ? ranks1 : ranks2);
+  shrink_tile<T, VEC, TILE>(out + g * max_rank, x, a, ranks, TokenSlots{token_slots}, num_tokens, h_in,
+                            max_rank, blockIdx.y % per_module, groups * max_rank);
+}
+
+// The fused group's expand: y_g [T, h_g] (row stride y_stride_g: views of one fused output are fine)
+// += scale_g * v[:, g * R : g * R + rank] @ B_g^T, three modules in one launch. grid (ceil(T / TILE),
+// sum_g ceil(h_g / kExpandThreads)), block kExpandThreads; h_g 0 for an absent module.
+template <typename T, int VEC, int TILE = lora::kBgmvTile>
+__global__ void __launch_bounds__(lora::kExpandThreads)
+    expand_bgmv_group(T* y0, T* y1, T* y2, const T* v, const T* b0, const T* b1, const T* b2,
+                      const int* ranks0, const int* ranks1, const int* ranks2, const float* scales0,
+                      const float* scales1, const float* scales2, const int* token_slots, int groups,
+                      int num_tokens, int h0, int h1, int h2, long long ys0, long long ys1, long long ys2,
+                      int max_rank) {
+  const int n0 = (h0 + lora::kExpandThreads - 1) / lora::kExpandThreads;
+  const int n1 = (h1 + lora::kExpandThreads - 1) / lora::kExpandThreads;
+  int g = 0, col_block = blockIdx.y;
+  if (col_block >= n0) { g = 1; col_block -= n0; }
+  if (g == 1 && col_block >= n1) { g = 2; col_block -= n1; }
+  if (g >= groups) return;
+  T* y = g == 0 ? y0 : (g == 1 ? y1 : y2);
+  const T* b = g == 0 ? b0 : (g == 1 ? b1 : b2);
+  const int* ranks = g == 0 ? ranks0 : (g == 1 ? ranks1 : ranks2);
+  const float* scales = g == 0 ? scales0 : (g == 1 ? scales1 : scales2);
+  const int h_out = g == 0 ? h0 : (g == 1 ? h1 : h2);
+  const long long y_stride = g == 0 ? ys0 : (g == 1 ? ys1 : ys2);
+  expand_tile<T, VEC, TILE>(y, v + g * max_rank, b, ranks, scales, TokenSlots{token_slots}, num_tokens, h_out,
+                            max_rank, max_rank, col_block, y_stride, groups * max_rank);
+}
+
+// Split-K shrink for few rows over many input features: one token per block, h_in cut into
+// gridDim.z slices of `chunk` features; slice z's dot products go to partial[z] (float32 [splits, T, R],
+// every entry written; zero past a row's rank), summed by the launcher in a fixed order (deterministic:
+// a graph's replay equals the eager step). grid (T, ceil(R / kShrinkWarps), splits), block 32 * kShrinkWarps.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * lora::kShrinkWarps)
+    shrink_bgmv_split(float* partial, const T* x, const T* a, const int* ranks, const int* token_slots,
+                      int num_tokens, int h_in, int max_rank, int chunk) {
+  const int t = blockIdx.x;
+  const int lane = threadIdx.x % 32;
+  const int r = blockIdx.y * lora::kShrinkWarps + threadIdx.x / 32;
+  if (t >= num_tokens || r >= max_rank) return;
+  float* dst = partial + ((long long)blockIdx.z * num_tokens + t) * max_rank + r;
+  const int slot = token_slots[t];
+  if (slot < 0 || r >= lp_min(ranks[slot], max_rank)) {
+    if (lane == 0) *dst = 0.f;
+    return;
+  }
+  const int c_begin = blockIdx.z * chunk, c_end = lp_min(h_in, c_begin + chunk);
+  const T* arow = a + ((long long)slot * max_rank + r) * h_in;
+  const T* xrow = x + (long long)t * h_in;
+  float acc = 0.f;
+  for (int c = c_begin + lane * VEC; c < c_end; c += 32 * VEC) {
+    float av[VEC], xv[VEC];
+    load_floats<T, VEC>(arow + c, av);
+    load_floats<T, VEC>(xrow + c, xv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc += av[e] * xv[e];
+  }
+  const float s = warp_sum(acc);
+  if (lane == 0) *dst = s;
 }

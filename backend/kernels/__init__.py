@@ -27,6 +27,17 @@ def lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales):
     return run("lora_expand_bgmv", y, v, b_stack, token_slots, ranks, scales)
 
 
+def lora_shrink_bgmv_group(x, a_stacks, token_slots, ranks):
+    """The shrinks of up to three modules reading x (q/k/v, gate/up) at once: [T, G * R], module g in columns
+    [g * R, (g + 1) * R)."""
+    return run("lora_shrink_bgmv_group", x, a_stacks, token_slots, ranks)
+
+
+def lora_expand_bgmv_group(v, ys, b_stacks, token_slots, ranks, scales):
+    """The expands of a fused group at once, in place: ys[g] += scale_g * v[:, g*R : g*R + rank] @ B_g.T."""
+    return run("lora_expand_bgmv_group", v, ys, b_stacks, token_slots, ranks, scales)
+
+
 def lora_shrink_sgmv(x, a_stack, seg_starts, seg_slots, ranks):
     """Segmented shrink: like lora_shrink_bgmv with one adapter per contiguous segment."""
     return run("lora_shrink_sgmv", x, a_stack, seg_starts, seg_slots, ranks)
@@ -142,8 +153,10 @@ __all__ = [
     "native_threads",
     "set_native_threads",
     "lora_expand_bgmv",
+    "lora_expand_bgmv_group",
     "lora_expand_sgmv",
     "lora_shrink_bgmv",
+    "lora_shrink_bgmv_group",
     "lora_shrink_sgmv",
     "packed_linear",
     "paged_attention_decode",

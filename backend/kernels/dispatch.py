@@ -30,6 +30,7 @@ ENV = "LORAPLEX_KERNELS"
 MODES = ("auto", "reference", "shim")
 OP_OF = {
     "lora_shrink_bgmv": "lora", "lora_expand_bgmv": "lora", "lora_shrink_sgmv": "lora", "lora_expand_sgmv": "lora",
+    "lora_shrink_bgmv_group": "lora", "lora_expand_bgmv_group": "lora",
     "write_kv": "write_kv", "copy_blocks": "copy_blocks", DECODE: DECODE, PREFILL: PREFILL,
 }
 LAUNCHER_MODULE = {

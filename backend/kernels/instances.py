@@ -34,8 +34,9 @@ def c_type(dtype: torch.dtype) -> str:
 
 
 def lora_name(kernel: str, dtype: torch.dtype, vec: int, tile: int | None = None) -> str:
-    """Name expression of a LoRA kernel (shrink_bgmv, shrink_sgmv, expand_bgmv, expand_sgmv); the BGMV
-    kernels also take their tile (tokens per block, one of BGMV_TILES)."""
+    """Name expression of a LoRA kernel (shrink_bgmv, shrink_sgmv, expand_bgmv, expand_sgmv, the fused
+    *_bgmv_group, the split-K shrink_bgmv_split); the BGMV kernels (group ones too) also take their tile
+    (tokens per block, one of BGMV_TILES)."""
     return f"{kernel}<{c_type(dtype)}, {vec}{'' if tile is None else f', {tile}'}>"
 
 
@@ -60,12 +61,13 @@ def cache_name(kernel: str, unit_bytes: int, index_dtype: torch.dtype) -> str:
 
 
 def _lora() -> tuple[str, ...]:
-    kernels = ("shrink_bgmv", "shrink_sgmv", "expand_bgmv", "expand_sgmv")
+    kernels = ("shrink_bgmv", "shrink_sgmv", "expand_bgmv", "expand_sgmv", "shrink_bgmv_group", "expand_bgmv_group",
+               "shrink_bgmv_split")
     return tuple(
         lora_name(k, dt, vec, tile)
         for k, dt in itertools.product(kernels, C_TYPES)
         for vec in (1, VEC_WIDTH[C_TYPES[dt]])
-        for tile in (BGMV_TILES if k.endswith("bgmv") else (None,))
+        for tile in (BGMV_TILES if k.endswith(("bgmv", "group")) else (None,))
     )
 
 

@@ -147,6 +147,20 @@ def lora_expand_bgmv(y, v, b_stack, token_slots, ranks, scales):
     return y
 
 
+def lora_shrink_bgmv_group(x, a_stacks, token_slots, ranks):
+    """The shrinks of a fused group (one max rank R): [T, G * R], module g's lora_shrink_bgmv in columns
+    [g * R, (g + 1) * R)."""
+    return torch.cat([lora_shrink_bgmv(x, a, token_slots, r) for a, r in zip(a_stacks, ranks)], dim=1)
+
+
+def lora_expand_bgmv_group(v, ys, b_stacks, token_slots, ranks, scales):
+    """The expands of a fused group, in place: ys[g] += scale_g * v[:, g*R : g*R + rank] @ B_g[slot].T."""
+    max_rank = b_stacks[0].shape[2]
+    for g, (y, b, r, s) in enumerate(zip(ys, b_stacks, ranks, scales)):
+        lora_expand_bgmv(y, v[:, g * max_rank:(g + 1) * max_rank], b, token_slots, r, s)
+    return ys
+
+
 def _segment_token_slots(seg_starts, seg_slots, num_rows):
     """Per-row slots of a segment layout: seg_slots[g] on rows seg_starts[g]:seg_starts[g+1], -1 elsewhere."""
     num_segs = seg_slots.numel()

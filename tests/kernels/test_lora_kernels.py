@@ -142,3 +142,74 @@ def test_bgmv_and_sgmv_random(cpu, data, num_slots, num_tokens, max_rank, dtype_
     cuts = sorted(data.draw(st.lists(st.integers(0, num_tokens), min_size=1, max_size=6)))
     seg_slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=len(cuts) - 1, max_size=len(cuts) - 1))
     check_sgmv(cpu, dtype, cuts, seg_slots, num_tokens, ranks, max_rank, h_in=24, h_out=40)
+
+
+def check_group(cpu, dtype, slots, module_ranks, max_rank, h_in=64, h_outs=(96, 32, 32), seed=0, tile=lora_launch.BGMV_TILE,
+                fused_output=True):
+    """The fused group shrink/expand against the reference, module by module; the outputs as column views of
+    one fused output (the model's q/k/v split) or separate tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    stacks = [adapters(len(ranks), max_rank, h_in, h, ranks, dtype, gen) for ranks, h in zip(module_ranks, h_outs)]
+    a_s, b_s, r_s, s_s = (list(col) for col in zip(*stacks))
+    slots_t = torch.tensor(slots, dtype=torch.int32)
+    x = randn(len(slots), h_in, dtype=dtype, gen=gen)
+    x[slots_t < 0] = float("nan")
+    v = lora_launch.lora_shrink_bgmv_group(x, a_s, slots_t, r_s, runner=cpu, tile=tile)
+    assert_close(v, reference.lora_shrink_bgmv_group(x, a_s, slots_t, r_s), dtype)
+    base = randn(len(slots), sum(h_outs), dtype=dtype, gen=gen)
+    vv = randn(len(slots), len(h_outs) * max_rank, dtype=dtype, gen=gen)
+    want = base.clone()
+    reference.lora_expand_bgmv_group(vv, list(want.split(list(h_outs), 1)), b_s, slots_t, r_s, s_s)
+    got = base.clone()
+    ys = list(got.split(list(h_outs), 1)) if fused_output else [y.clone() for y in got.split(list(h_outs), 1)]
+    lora_launch.lora_expand_bgmv_group(vv, ys, b_s, slots_t, r_s, s_s, runner=cpu, tile=tile)
+    assert_close(torch.cat(ys, 1) if not fused_output else got, want, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("tile", BGMV_TILES)
+def test_group_qkv_fused_into_views_of_one_output(cpu, dtype, tile):
+    # three modules, each slot with its own rank per module (0: a module the adapter does not target)
+    check_group(cpu, dtype, [0, 1, -1, 2, 2, 2, 0, 1, 1, -1, 0], [[4, 16, 1], [16, 3, 8], [2, 16, 5]], 16, tile=tile)
+
+
+@dtypes
+def test_group_gate_up_separate_outputs_unaligned(cpu, dtype):
+    check_group(cpu, dtype, [1, 0, 1, 1, -1], [[3, 7], [7, 2]], 7, h_in=30, h_outs=(131, 129), fused_output=False)
+
+
+def test_group_rank_above_one_shared_memory_chunk(cpu):
+    check_group(cpu, torch.bfloat16, [0, 1, 0], [[72, 65], [65, 72]], 72, h_in=40, h_outs=(33, 300))
+
+
+def test_group_of_one_module_equals_bgmv(cpu):
+    check_group(cpu, torch.float16, [0, -1, 0, 0], [[8]], 8, h_outs=(40,))
+
+
+def test_group_rejects_mixed_max_ranks(cpu):
+    a = [torch.randn(1, 4, 8), torch.randn(1, 2, 8)]
+    with pytest.raises(ValueError, match="one max rank"):
+        lora_launch.lora_shrink_bgmv_group(torch.randn(2, 8), a, torch.zeros(2, dtype=torch.int32),
+                                           [torch.tensor([4]), torch.tensor([2])], runner=cpu)
+
+
+@dtypes
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_k_shrink(cpu, dtype, splits):
+    # h_in 1000: slices that are not whole in the last pass; slot -1 rows and ranks below the max read nothing
+    gen = torch.Generator().manual_seed(splits)
+    a, _, ranks, _ = adapters(3, 16, 1000, 8, [16, 1, 5], dtype, gen)
+    slots = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
+    x = randn(4, 1000, dtype=dtype, gen=gen)
+    x[1] = float("nan")
+    got = lora_launch.lora_shrink_bgmv(x, a, slots, ranks, runner=cpu, splits=splits)
+    assert_close(got, reference.lora_shrink_bgmv(x, a, slots, ranks), dtype)
+
+
+def test_split_choice_rule():
+    choose = lora_launch.choose_splits
+    assert choose(1, 16, 4096, 132) > 1  # one decode row on an H100/H200: the tiled grid fills 4 of 132 SMs
+    assert choose(256, 16, 4096, 132) == 1  # batch 256: 256 blocks, enough
+    assert choose(1, 16, 1024, 132) == 1  # too few features for two slices
+    assert choose(1, 16, 4096, 2) == 1  # the shim's two "SMs"
+    assert choose(1, 16, 1 << 20, 132) <= lora_launch.MAX_SPLITS
