@@ -99,3 +99,22 @@ def test_waiting_adapters_are_counted_by_tier(demo, reference):
     assert_exact(engine, outputs, "long", "The quick brown fox", "demo-a", reference)
     assert_exact(engine, outputs, "b1", "LoRA adapters", "demo-b", reference)
     assert_idle(engine)
+
+
+def test_the_loading_gauge_counts_distinct_adapters_in_flight():
+    from loraplex.lora.preloader import AdapterPreloader
+
+    release, delivered = threading.Event(), queue.SimpleQueue()
+
+    def read(name, folder):
+        assert release.wait(30)
+        return name
+
+    preloader = AdapterPreloader(read, lambda rid, preloaded: delivered.put((rid, preloaded)))
+    for rid, name in (("r1", "a"), ("r2", "a"), ("r3", "b")):
+        preloader.submit(rid, name, f"/adapters/{name}")
+    assert preloader.loading() == 2  # a (twice) and b
+    release.set()
+    assert sorted(delivered.get(timeout=30) for _ in range(3)) == [("r1", "a"), ("r2", "a"), ("r3", "b")]
+    assert preloader.loading() == 0
+    preloader.close()
