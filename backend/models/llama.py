@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,18 @@ class AttentionBatch:
     context_lens: torch.Tensor  # int32 [B]: cached + new tokens
     cu_query_lens: torch.Tensor  # int32 [B+1]
     is_decode: bool  # every sequence has exactly one new token
+
+
+FUSED_BASE_ENV = "LORAPLEX_FUSED_BASE"
+
+
+def fused_base_enabled(device) -> bool:
+    """Whether an unpacked model fuses q/k/v and gate/up into one GEMM each: LORAPLEX_FUSED_BASE on, off or
+    auto (default: CUDA only); ValueError on anything else."""
+    mode = os.environ.get(FUSED_BASE_ENV) or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{FUSED_BASE_ENV}={mode!r} is not one of auto, on, off")
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
 def _fused_bias(layer: dict, parts: tuple[str, ...]) -> torch.Tensor | None:
@@ -82,6 +95,7 @@ class LlamaModel:
         self.packed_lm_head = None
         self.native_decode = None  # cpu_native.DecodeForward: a decode step in one native call, LoRA included
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
+        self.fused_weights: list[dict] | None = None  # per layer: FUSED name -> (weight, bias), unpacked models
         if fp16_weights:
             if torch.device(device).type != "cpu" or dtype != torch.float32:
                 raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
@@ -93,6 +107,8 @@ class LlamaModel:
             self.lm_head_t = self.lm_head.t().contiguous()
             if self.lm_head is not self.embed:
                 self.lm_head = None  # only the transposed copy is read
+        if self.packed is None and fused_base_enabled(device):
+            self._fuse_base()
 
     def _pack(self, half: bool) -> None:
         """The projections and lm_head packed by kernels.linear_pack (fp16 if half, else fp32), FUSED merged."""
@@ -119,6 +135,19 @@ class LlamaModel:
             self.native_decode = cpu_native.DecodeForward(
                 [{**layer, **packed} for layer, packed in zip(self.layers, self.packed)], self.norm, self.rope.cos,
                 self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+
+    def _fuse_base(self) -> None:
+        """q/k/v and gate/up concatenated once into one weight each (one GEMM, its output split by views:
+        decision 057); the separate weights are dropped."""
+        self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
+        self.fused_weights = []
+        for layer in self.layers:
+            fused = {}
+            for name, parts in FUSED.items():
+                fused[name] = (torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                for m in parts:
+                    layer[m] = None
+            self.fused_weights.append(fused)
 
     @staticmethod
     def _take_layer(w: dict, i: int) -> dict:
@@ -148,12 +177,16 @@ class LlamaModel:
     def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraPlan | None) -> tuple[torch.Tensor, ...]:
         """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
         modules = FUSED[fused]
-        if self.packed is None:
-            return tuple(self._proj(layer_idx, m, x, lora) for m in modules)
-        ys = kernels.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
+        if self.packed is not None:
+            ys = kernels.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
+        elif self.fused_weights is not None:
+            weight, bias = self.fused_weights[layer_idx][fused]
+            ys = F.linear(x, weight, bias).split(self.fused_sizes[fused], dim=1)
+        else:
+            layer = self.layers[layer_idx]
+            ys = tuple(F.linear(x, layer[m], layer.get(m + ".bias")) for m in modules)
         if lora is not None:
-            for y, m in zip(ys, modules):
-                lora.apply(y, x, layer_idx, m)
+            lora.apply_group(ys, x, layer_idx, modules)
         return ys
 
     def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraPlan | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ FIRST = [("attn", "attn", SHARED, 1), ("mlp", "mlp", "Hello world", 1), ("base",
 HIT = ("attn-hit", "attn", SHARED, 1)
 MAX_TOKENS = 6
 KERNELS = (
-    "shrink_sgmv", "expand_sgmv", "shrink_bgmv", "expand_bgmv",
+    "shrink_sgmv", "expand_sgmv", "shrink_bgmv", "expand_bgmv", "shrink_bgmv_group", "expand_bgmv_group",
     "write_kv", "copy_blocks", "paged_prefill", "paged_decode",
 )
 

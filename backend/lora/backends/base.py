@@ -30,6 +30,11 @@ class LoraPlan:
         """y += each row's adapter delta for module of layer, in place (x: the projection's input)."""
         self.backend.apply(self, y, x, layer, module)
 
+    def apply_group(self, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        """ys[i] += each row's delta for modules[i] of layer, in place: the modules that read one input x
+        (q/k/v, gate/up), which a backend may compute together (decision 057)."""
+        self.backend.apply_group(self, ys, x, layer, modules)
+
 
 class RowSlots(LoraPlan):
     """One adapter slot per row (int32 [T], -1: the base model)."""
@@ -58,6 +63,11 @@ class LoraBackend(ABC):
     @abstractmethod
     def apply(self, plan: LoraPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """y += each row's adapter delta for module of layer, as plan lays the rows out."""
+
+    def apply_group(self, plan: LoraPlan, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        """ys[i] += the deltas of modules[i], all reading x: by default one apply per module."""
+        for y, module in zip(ys, modules):
+            self.apply(plan, y, x, layer, module)
 
     def rows(self, token_slots: torch.Tensor) -> RowSlots:
         """A plan of one slot per row, given as a tensor already on the device (the decode graphs' buffer)."""

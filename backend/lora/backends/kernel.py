@@ -29,6 +29,20 @@ class KernelLoraBackend(LoraBackend):
         seg_starts, seg_slots = segments(seq_slots, cu)
         return Segments(self, self.to_tensor(seg_starts), self.to_tensor(seg_slots))
 
+    fuse_groups = True  # a decode step's q/k/v and gate/up in one shrink and one expand launch each
+
+    def apply_group(self, plan: LoraPlan, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        """Per-row plans: the group's shrinks in one launch and its expands in another (decision 057); other
+        plans, one apply per module."""
+        if not (self.fuse_groups and isinstance(plan, RowSlots)):
+            super().apply_group(plan, ys, x, layer, modules)
+            return
+        s = self.slots
+        a, b = [s.a[layer][m] for m in modules], [s.b[layer][m] for m in modules]
+        ranks, scales = [s.ranks[layer][m] for m in modules], [s.scales[layer][m] for m in modules]
+        v = kernels.lora_shrink_bgmv_group(x, a, plan.token_slots, ranks)
+        kernels.lora_expand_bgmv_group(v, list(ys), b, plan.token_slots, ranks, scales)
+
     def apply(self, plan: LoraPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         s = self.slots
         if isinstance(plan, RowSlots):
