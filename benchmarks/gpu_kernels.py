@@ -8,6 +8,8 @@ Runs in-process on one CUDA device (no Triton). Sections:
      of the device peak, and time vs gather + torch SDPA;
   4. BGMV shrink + expand (hidden 4096, ranks 8-64): bandwidth and time vs gather + bmm, at
      every instantiated tile (tokens per block: which default to use).
+Before 2-4, the LoRA variants (issue 34, decision 057) on Llama-3-8B's q/k/v at batches 1-256: tile 1 vs 4,
+per-module launches vs the fused group, the shrink tiled vs split-K; % of HBM for the adapter bytes read.
 Prints a table per section; writes JSON to --out, or to $OUT/gpu_kernels.json when $OUT
 is set. Stops adding measurements once --budget-s seconds have passed (default 240).
 Usage: python benchmarks/gpu_kernels.py [--quick]
@@ -96,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--lora-batches", type=int, nargs="*", default=[1, 16, 64, 256],
+                   help="batches of the LoRA variants section (none: skip it)")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop measuring after this long")
@@ -234,6 +239,19 @@ def numerics(dtypes) -> list[dict]:
             record(f"shrink_bgmv tile={tile}", dtype, lora_launch.lora_shrink_bgmv(x, a, slots, ranks, tile=tile), want)
             record(f"expand_bgmv tile={tile}", dtype,
                    lora_launch.lora_expand_bgmv(y.clone(), vv, b, slots, ranks, scales, tile=tile), want_y)
+        stacks = [(a, b, ranks, scales), (rn(4, 64, 512), rn(4, 128, 64), ranks.flip(0), scales.flip(0)),
+                  (rn(4, 64, 512), rn(4, 96, 64), ranks.roll(1), scales)]
+        ga, gb, gr, gs = (list(col) for col in zip(*stacks))
+        record("shrink_bgmv_group", dtype, lora_launch.lora_shrink_bgmv_group(x, ga, slots, gr),
+               reference.lora_shrink_bgmv_group(x, ga, slots, gr))
+        gv, base = rn(37, 3 * 64), rn(37, 384 + 128 + 96)
+        want_g, got_g = base.clone(), base.clone()
+        reference.lora_expand_bgmv_group(gv, list(want_g.split([384, 128, 96], 1)), gb, slots, gr, gs)
+        lora_launch.lora_expand_bgmv_group(gv, list(got_g.split([384, 128, 96], 1)), gb, slots, gr, gs)
+        record("expand_bgmv_group", dtype, got_g, want_g)
+        for splits in (2, 3):
+            record(f"shrink_bgmv split={splits}", dtype,
+                   lora_launch.lora_shrink_bgmv(x, a, slots, ranks, splits=splits), want)
         starts = torch.tensor([0, 10, 10, 30, 37], dtype=torch.int32, device="cuda")
         seg = torch.tensor([2, 0, -1, 3], dtype=torch.int32, device="cuda")
         want = reference.lora_shrink_sgmv(x, a, starts, seg, ranks)
@@ -344,6 +362,62 @@ def bench_bgmv(shapes, dtype, timer, peak, deadline) -> list[dict]:
     return rows
 
 
+def qkv_adapter_bytes(ranks_used: list[int], h_in: int, outs: tuple[int, ...], elem: int) -> int:
+    """Adapter bytes a q/k/v group's shrink + expand must read: each used slot's A rows (one per module) and
+    B columns at its rank."""
+    return sum(r * (len(outs) * h_in + sum(outs)) for r in ranks_used) * elem
+
+
+def bench_lora_variants(batches, rank, dtype, timer, peak, deadline, adapters=32, device="cuda") -> list[dict]:
+    """The LoRA kernel variants on Llama-3-8B's q/k/v (4096 -> 4096/1024/1024), rank `rank`, `adapters` adapters
+    (random slots): per-module launches at tile 4 and tile 1, the fused group at both tiles, and the shrink alone
+    tiled vs split-K (choose_splits); each time with the % of HBM bandwidth for the adapter bytes read. device
+    cpu: the shim (a test's smoke run)."""
+    from loraplex.kernels import lora_launch
+
+    h_in, outs = 4096, (4096, 1024, 1024)
+    rows = []
+    a = [torch.randn(adapters, rank, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
+    b = [torch.randn(adapters, h, rank, device=device, dtype=dtype) * 0.02 for h in outs]
+    ranks = [torch.full((adapters,), rank, dtype=torch.int32, device=device) for _ in outs]
+    scales = [torch.ones(adapters, device=device) for _ in outs]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 1
+    for batch in batches:
+        if time.monotonic() > deadline:
+            break
+        slots = torch.randint(0, adapters, (batch,), device=device, dtype=torch.int32)
+        x = torch.randn(batch, h_in, device=device, dtype=dtype)
+        out = torch.zeros(batch, sum(outs), device=device, dtype=dtype)
+        ys = list(out.split(list(outs), 1))
+
+        def separate(tile):
+            for g in range(len(outs)):
+                v = lora_launch.lora_shrink_bgmv(x, a[g], slots, ranks[g], tile=tile, splits=1)
+                lora_launch.lora_expand_bgmv(ys[g], v, b[g], slots, ranks[g], scales[g], tile=tile)
+
+        def group(tile):
+            v = lora_launch.lora_shrink_bgmv_group(x, a, slots, ranks, tile=tile)
+            lora_launch.lora_expand_bgmv_group(v, ys, b, slots, ranks, scales, tile=tile)
+
+        times = {f"tile{t}_ms": timer.ms(lambda t=t: separate(t)) for t in (1, 4)}  # the prepared tile 1 first
+        times |= {f"group_tile{t}_ms": timer.ms(lambda t=t: group(t)) for t in (1, 4)}
+        splits = lora_launch.choose_splits(batch, rank, h_in, sm_count)
+        times["shrink_ms"] = timer.ms(lambda: lora_launch.lora_shrink_bgmv(x, a[0], slots, ranks[0], splits=1))
+        times["shrink_split_ms"] = timer.ms(
+            lambda: lora_launch.lora_shrink_bgmv(x, a[0], slots, ranks[0], splits=max(2, splits)))
+        used = len(set(slots.tolist()))
+        group_bytes = qkv_adapter_bytes([rank] * used, h_in, outs, x.element_size())
+        shrink_bytes = used * rank * h_in * x.element_size()
+        frac = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9 / peak  # noqa: E731
+        best = min(times["group_tile1_ms"], times["group_tile4_ms"])
+        rows.append({"batch": batch, "rank": rank, "used_adapters": used, **times, "splits": max(2, splits),
+                     "auto_splits": splits, "tile1_hbm": frac(group_bytes, times["tile1_ms"]),
+                     "tile4_hbm": frac(group_bytes, times["tile4_ms"]), "group_hbm": frac(group_bytes, best),
+                     "shrink_hbm": frac(shrink_bytes, times["shrink_ms"]),
+                     "shrink_split_hbm": frac(shrink_bytes, times["shrink_split_ms"])})
+    return rows
+
+
 def bench_prefill(shapes, dtype, timer, deadline) -> list[dict]:
     """Prefill: tiled kernel vs gather + SDPA vs varlen_attn."""
     from loraplex.kernels import prefill_launch
@@ -399,6 +473,10 @@ def main(argv=None) -> int:
     report["numerics"] = numerics((torch.float32, torch.float16, torch.bfloat16))
     print_table("numerics vs reference", report["numerics"])
     timer = Timer(args.iters)
+    if args.lora_batches:  # first: the LoRA variants of issue 34 (decision 057)
+        report["lora_variants"] = bench_lora_variants(args.lora_batches, args.lora_rank, dtype, timer, peak, deadline)
+        print_table(f"LoRA q/k/v variants (8B shapes, rank {args.lora_rank}; *_hbm: fraction of peak for the adapter "
+                    "bytes read)", report["lora_variants"])
     report["prefill"] = bench_prefill(prefill_shapes(args.quick), dtype, timer, deadline)  # first: it picks a default
     print_table("prefill attention: tiled kernel vs gather+SDPA vs varlen_attn", report["prefill"])
     report["decode"] = bench_decode(decode_shapes(args.batches, args.contexts), dtype, timer, peak, deadline)

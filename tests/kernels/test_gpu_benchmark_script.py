@@ -70,3 +70,26 @@ def test_imports_kernels_from_the_checkout_when_not_installed():
         "from loraplex.kernels import decode_launch\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_lora_variant_options_and_bytes(bench):
+    args = bench.parse_args([])
+    assert args.lora_batches == [1, 16, 64, 256] and args.lora_rank == 16
+    assert bench.parse_args(["--lora-batches"]).lora_batches == []  # the section skipped
+    # two used slots of rank 16 on 8B's q/k/v: 3 A stacks of 16 x 4096, B of 16 x (4096 + 1024 + 1024), bf16
+    assert bench.qkv_adapter_bytes([16, 16], 4096, (4096, 1024, 1024), 2) == 2 * 16 * (3 * 4096 + 6144) * 2
+
+
+def test_lora_variants_run_on_the_shim(bench, cpu, monkeypatch):
+    """The section's code runs end to end on the CPU shim (CPU tensors launch there; a stand-in timer: one call
+    each, no figures)."""
+    monkeypatch.setattr(bench.torch, "randn", lambda *shape, **kw: torch.zeros(*shape, **kw))  # fast, shapes only
+
+    class OneCall:
+        def ms(self, fn):
+            fn()
+            return 1.0
+
+    rows = bench.bench_lora_variants([1, 2], 4, torch.float32, OneCall(), 1000.0, float("inf"), adapters=3,
+                                     device="cpu")
+    assert [r["batch"] for r in rows] == [1, 2] and rows[0]["splits"] >= 2 and rows[0]["group_hbm"] > 0
