@@ -57,6 +57,9 @@ run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device c
     --json "$WORK/triton_gpu.json"
 run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
     --ranks 16 64 --out "$WORK/gpu_kernels.json"
+# Llama-3-8B's shapes (random bf16 weights, CUDA graphs) vs the HBM roofline: base, 8 and 32 adapters (decision 057)
+run decode_roofline 120 python3 benchmarks/decode_roofline.py --batches 1 16 64 256 --adapters 0 8 32 \
+    --json "$WORK/decode_roofline.json"
 run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"
 run engine_check_prefill_kernel 60 env LORAPLEX_PREFILL_ATTENTION=kernel \
     python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check_prefill_kernel.json"
