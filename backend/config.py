@@ -143,7 +143,8 @@ def native_cpu_threads(configured: int = 0, environ=os.environ) -> int:
         return configured
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"])
-    return len(os.sched_getaffinity(0))
+    from loraplex.launch.cpus import usable_cpus  # affinity capped by the cgroup quota (decision 056)
+    return usable_cpus()
 
 
 def serving_cpu_threads(environ=os.environ) -> int:
@@ -154,4 +155,5 @@ def serving_cpu_threads(environ=os.environ) -> int:
     0 (keep torch's own setting) when OMP_NUM_THREADS is set in environ: that choice is the operator's."""
     if environ.get("OMP_NUM_THREADS"):
         return 0
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    from loraplex.launch.cpus import usable_cpus  # affinity capped by the cgroup quota (decision 056)
+    return max(1, usable_cpus() - 1)

@@ -202,6 +202,9 @@ def server_env(install: TritonInstall, extra: Mapping[str, str] | None = None,
     if sys.prefix != sys.base_prefix:
         env["VIRTUAL_ENV"] = sys.prefix
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # OpenMP threads sleep at once when idle instead of spinning, so a pool that shares its cores
+    # (or runs under a CPU quota) does not burn the slices its peers need (decision 056).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return env
