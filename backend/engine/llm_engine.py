@@ -96,6 +96,7 @@ class LLMEngine:
         self.lora_slots = LoraSlots(
             self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, lora_dtype, self.device
         )
+        self.lora_slots.base_weight = self.model.base_weight  # DoRA's norms at adapter load (decision 052)
         self.adapters = AdapterManager(
             self.lora_slots, self.model.config, config.max_lora_rank, config.max_cpu_loras, lora_dtype
         )

@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import regex
@@ -31,7 +31,6 @@ PICKLE_FILE = "adapter_model.bin"
 
 # Config options that change what the adapter computes and that this server does not implement.
 _UNSUPPORTED = (
-    ("use_dora", "DoRA (use_dora=true)"),
     ("fan_in_fan_out", "fan_in_fan_out=true"),
     ("modules_to_save", "modules_to_save (fully trained extra modules)"),
     ("lora_bias", "lora_bias=true"),
@@ -81,10 +80,31 @@ class LoraAdapter:
     digest: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    # DoRA (use_dora): per (layer, module) the saved magnitude m [out]; empty for plain LoRA
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # DoRA's output scale s = m / ||W + scale * B A|| (row norms) per (layer, module), computed once from the
+    # base weights when the adapter first enters a slot (dora_scales), then kept with the adapter
+    output_scales: dict[tuple[int, str], torch.Tensor] | None = None
 
     def nbytes(self) -> int:
-        """Bytes held by the adapter's A and B tensors."""
-        return sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
+        """Bytes held by the adapter's A and B tensors (and DoRA magnitudes)."""
+        return (sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
+                + sum(m.nbytes for m in self.magnitudes.values()))
+
+    def dora_scales(self, base_weight) -> dict[tuple[int, str], torch.Tensor]:
+        """DoRA's per-output scale of each targeted module (computed once; base_weight(layer, module) -> W
+        [out, in]); empty for plain LoRA. Like peft: s = m / ||W + scale * B A||_row, in float32."""
+        if self.output_scales is None:
+            self.output_scales = {key: dora_output_scale(base_weight(*key), *self.weights[key], self.magnitudes[key])
+                                  for key in self.magnitudes}
+        return self.output_scales
+
+
+def dora_output_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                      magnitude: torch.Tensor) -> torch.Tensor:
+    """m / ||W + scale * B A|| over the input dim, per output feature (peft's DoraLinearLayer.get_weight_norm)."""
+    merged = weight.detach().float().cpu() + scale * (b.float() @ a.float())
+    return (magnitude.float() / torch.linalg.norm(merged, dim=1)).contiguous()
 
 
 @dataclass(slots=True)
@@ -98,6 +118,7 @@ class _Settings:
     exclude_modules: str | list[str] | None
     layers_to_transform: list[int] | None
     layers_pattern: list[str] | None
+    use_dora: bool = False
 
 
 def adapter_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
@@ -115,8 +136,9 @@ def looks_like_pickle(data: bytes) -> bool:
 
 
 def max_adapter_tensors(hf_config) -> int:
-    """Most tensors an adapter of this base model holds: lora_A and lora_B of every projection of every layer."""
-    return 2 * int(hf_config.num_hidden_layers) * len(MODULES)
+    """Most tensors an adapter of this base model holds: lora_A, lora_B (and DoRA's magnitude) of every
+    projection of every layer."""
+    return 3 * int(hf_config.num_hidden_layers) * len(MODULES)
 
 
 def max_header_bytes(max_tensors: int) -> int:
@@ -242,6 +264,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
             )
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    magnitudes: dict[tuple[int, str], torch.Tensor] = {}
     max_rank = 0
     for layer, module in sorted(targeted, key=lambda k: (k[0], MODULES.index(k[1]))):
         full = module_path(layer, module)
@@ -251,13 +274,13 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
                 f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}"
             )
         found = pairs.get((layer, module), {})
-        if set(found) != {"A", "B"}:
+        if set(found) - {"M"} != {"A", "B"}:
             if not found:
                 raise AdapterError(
                     f"{where}: {CONFIG_FILE} targets {full} but {WEIGHTS_FILE} has no "
                     f"lora_A / lora_B tensors for it"
                 )
-            have = next(iter(found))
+            have = next(k for k in ("A", "B", "M") if k in found)
             missing = "B" if have == "A" else "A"
             raise AdapterError(
                 f"{where}: incomplete LoRA pair for {full}: {found[have][0]} present, lora_{missing} missing"
@@ -270,8 +293,16 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
         scale = lora_scale(alpha, r, settings.use_rslora)
         weights[(layer, module)] = (a, b, scale)
         max_rank = max(max_rank, r)
+        if settings.use_dora:
+            if "M" not in found:
+                raise AdapterError(f"{where}: use_dora is set but {WEIGHTS_FILE} has no lora_magnitude_vector "
+                                   f"for {full}")
+            magnitudes[(layer, module)] = _checked(found["M"][0], found["M"][1], (out_f,), torch.float32, where)
+        elif "M" in found:
+            raise AdapterError(f"{where}: tensor {found['M'][0]} is a DoRA magnitude but {CONFIG_FILE} does not "
+                               f"set use_dora")
 
-    return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights)
+    return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights, magnitudes=magnitudes)
 
 
 def lora_scale(alpha: float, r: int, use_rslora: bool) -> float:
@@ -318,6 +349,9 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     alpha = cfg.get("lora_alpha", 8)
     if not _is_number(alpha):
         raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    use_dora = cfg.get("use_dora", False)
+    if not isinstance(use_dora, bool):
+        raise AdapterError(f"{where}: use_dora must be true or false, got {use_dora!r}")
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise AdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
@@ -379,6 +413,7 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
         exclude_modules=exclude,
         layers_to_transform=layers,
         layers_pattern=pattern or None,
+        use_dora=use_dora,
     )
 
 
@@ -518,9 +553,11 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str)
         kind = parts[idx]
         if kind in ("lora_embedding_A", "lora_embedding_B"):
             raise AdapterError(f"{where}: tensor {tensor_name}: LoRA on embeddings is not supported")
-        if kind not in ("lora_A", "lora_B"):
-            raise AdapterError(f"{where}: tensor {tensor_name}: {kind} is not supported (plain LoRA only)")
+        if kind not in ("lora_A", "lora_B", "lora_magnitude_vector"):
+            raise AdapterError(f"{where}: tensor {tensor_name}: {kind} is not supported (plain LoRA or DoRA only)")
         rest = parts[idx + 1 :]
+        if kind == "lora_magnitude_vector" and rest in ([], ["weight"]):
+            rest = ["weight"]  # peft saves DoRA's magnitude as <module>.lora_magnitude_vector
         if rest[-1:] == ["bias"]:
             raise AdapterError(f"{where}: tensor {tensor_name}: LoRA bias (lora_bias) is not supported")
         if not (rest == ["weight"] or (len(rest) == 2 and rest[1] == "weight")):
@@ -548,7 +585,7 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str)
                 f"{num_layers} layers (0..{num_layers - 1})"
             )
         slot = pairs.setdefault((layer, module), {})
-        ab = kind[-1]
+        ab = "M" if kind == "lora_magnitude_vector" else kind[-1]
         if ab in slot:
             raise AdapterError(
                 f"{where}: duplicate tensors for {module_path(layer, module)} lora_{ab}: "

@@ -6,6 +6,8 @@ Layout per layer and projection (see backend/kernels/reference.py):
                         view of [max_loras, max_rank, out_features] stored contiguous: see _b_stack)
   ranks[layer][module]  int32 [max_loras]   0 where the slot's adapter does not target it
   scales[layer][module] float32 [max_loras]
+  out_scales[layer][module] float32 [max_loras + 1, out]  DoRA's per-output scale (1.0: plain LoRA, empty
+                        slots and the last row, which base rows -1 read); allocated at the first DoRA load
 
 Stacks exist for all seven projections whether or not any adapter targets them, so the
 model never branches on shape. Memory: num_layers * max_loras * max_rank *
@@ -56,6 +58,11 @@ class LoraSlots:
         self.a_t = [{m: a.transpose(1, 2) for m, a in layer.items()} for layer in self.a]
         self.b_t = [{m: b.transpose(1, 2) for m, b in layer.items()} for layer in self.b]
         self.tile_scales = [{m: t.view(-1, 1, 1) for m, t in layer.items()} for layer in self.scales]
+        # DoRA: base_weight(layer, module) -> (W [out, in], bias or None), set by the engine; out_scales is
+        # allocated only once a DoRA adapter is loaded, and dora_slots says which slots hold one
+        self.base_weight = None
+        self.out_scales: list[dict[str, torch.Tensor]] | None = None
+        self.dora_slots: set[int] = set()
 
     def _b_stack(self, out_features: int) -> torch.Tensor:
         """A zeroed B stack [max_loras, out, max_rank]. On the CPU it is a view of B.T stored contiguous
@@ -84,7 +91,10 @@ class LoraSlots:
                     f"adapter {adapter.name!r} layer {layer} {module}: A {list(a.shape)} / B {list(b.shape)} "
                     f"do not fit [r, {in_f}] / [{out_f}, r]"
                 )
+        dora = adapter.dora_scales(self._base_w) if adapter.magnitudes else {}
         self.clear(slot)
+        if dora:
+            self._write_dora(slot, dora)
         ranks = torch.zeros(self.num_layers, len(MODULES), dtype=torch.int32)
         scales = torch.zeros(self.num_layers, len(MODULES), dtype=torch.float32)
         for ((layer, module), (_a, _b, scale)), (a, b) in zip(adapter.weights.items(), self._on_device(adapter)):
@@ -98,6 +108,23 @@ class LoraSlots:
         self.slot_ranks[slot] = max((r for r, _scale in self.targets[slot].values()), default=0)
         self._ranks[:, :, slot].copy_(ranks, non_blocking=True)  # staged at once: the host never waits
         self._scales[:, :, slot].copy_(scales, non_blocking=True)
+
+    def _base_w(self, layer: int, module: str) -> torch.Tensor:
+        if self.base_weight is None:
+            raise ValueError("DoRA adapters need the base model's weights (LoraSlots.base_weight is not set)")
+        return self.base_weight(layer, module)[0]
+
+    def bias(self, layer: int, module: str) -> torch.Tensor | None:
+        """The base projection's bias (DoRA scales the output without it)."""
+        return None if self.base_weight is None else self.base_weight(layer, module)[1]
+
+    def _write_dora(self, slot: int, dora: dict) -> None:
+        if self.out_scales is None:
+            self.out_scales = [{m: torch.ones(self.max_loras + 1, o, dtype=torch.float32, device=self.device)
+                                for m, (_i, o) in self.shapes.items()} for _ in range(self.num_layers)]
+        for (layer, module), s in dora.items():
+            self.out_scales[layer][module][slot].copy_(s)
+        self.dora_slots.add(slot)
 
     def _on_device(self, adapter: LoraAdapter):
         """The adapter's (A, B) pairs on the slots' device: on CUDA through one packed host-to-device copy."""
@@ -123,13 +150,19 @@ class LoraSlots:
                 self.b[layer][m][slot].zero_()
         self._ranks[:, :, slot] = 0
         self._scales[:, :, slot] = 0.0
+        if slot in self.dora_slots:
+            for layer in self.out_scales:
+                for t in layer.values():
+                    t[slot].fill_(1.0)
+            self.dora_slots.discard(slot)
         self.targets[slot] = {}
         self.slot_ranks[slot] = 0
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""
         weights = sum(t.nbytes for table in (self.a, self.b) for layer in table for t in layer.values())
-        return weights + self._ranks.nbytes + self._scales.nbytes
+        dora = sum(t.nbytes for layer in self.out_scales or () for t in layer.values())
+        return weights + self._ranks.nbytes + self._scales.nbytes + dora
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:

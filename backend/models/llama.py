@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from loraplex import kernels
 from loraplex.kernels import cpu_native
 from loraplex.lora.backends.base import LoraPlan
-from loraplex.lora.shapes import MODULES
+from loraplex.lora.shapes import MODULES, PARENTS
 from loraplex.models.loader import load_hf_config, load_safetensors
 from loraplex.models.rope import RotaryEmbedding
 
@@ -69,6 +70,7 @@ class LlamaModel:
                  fp16_weights: bool = False):
         self.config = cfg = config if config is not None else load_hf_config(model_dir)
         self.dtype, self.device = dtype, device
+        self.model_dir = model_dir
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -148,6 +150,21 @@ class LlamaModel:
                 for m in parts:
                     layer[m] = None
             self.fused_weights.append(fused)
+
+    def base_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One projection's base weight [out, in] and bias (None without), for DoRA's norms at adapter load:
+        the layer's own tensor, or, once packed or fused away, read again from the checkpoint."""
+        w, bias = self.layers[layer][module], self.layers[layer].get(module + ".bias")
+        if w is None:
+            from safetensors import safe_open
+
+            name = f"model.layers.{layer}.{PARENTS[module]}.{module}.weight"
+            for f in sorted(Path(self.model_dir).glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as st:
+                    if name in st.keys():
+                        w = st.get_tensor(name)
+                        break
+        return w, bias
 
     @staticmethod
     def _take_layer(w: dict, i: int) -> dict:

@@ -70,7 +70,7 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
-        graphed = self.graphs is not None and self.graphs.serves(step)
+        graphed = self.graphs is not None and self.graphs.serves(step) and not (self.lora and self.lora.slots.dora_slots)
         rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
         if graphed:  # the graph reads its own static inputs; its LoRA plan is each row's adapter slot
             attn = None

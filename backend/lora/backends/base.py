@@ -20,20 +20,26 @@ from loraplex import kernels
 class LoraPlan:
     """One step's adapter rows, in the form its backend computes them."""
 
-    __slots__ = ("backend",)
+    __slots__ = ("backend", "dora_rows")
     one_call = False  # the model's one-call decode forward adds these deltas itself (RowSlots of a native backend)
 
     def __init__(self, backend: LoraBackend):
         self.backend = backend
+        self.dora_rows = None  # int64 [T]: each row's out_scales row when a DoRA slot is resident (decision 052)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """y += each row's adapter delta for module of layer, in place (x: the projection's input)."""
         self.backend.apply(self, y, x, layer, module)
+        if self.dora_rows is not None:
+            self.backend.scale_dora(y, self.dora_rows, layer, module)
 
     def apply_group(self, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
         """ys[i] += each row's delta for modules[i] of layer, in place: the modules that read one input x
         (q/k/v, gate/up), which a backend may compute together (decision 057)."""
         self.backend.apply_group(self, ys, x, layer, modules)
+        if self.dora_rows is not None:
+            for y, module in zip(ys, modules):
+                self.backend.scale_dora(y, self.dora_rows, layer, module)
 
 
 class RowSlots(LoraPlan):
@@ -44,6 +50,8 @@ class RowSlots(LoraPlan):
     def __init__(self, backend: LoraBackend, token_slots: torch.Tensor):
         super().__init__(backend)
         self.token_slots = token_slots
+        if backend.slots.dora_slots:
+            self.dora_rows = backend.dora_index(token_slots)
 
 
 class LoraBackend(ABC):
@@ -68,6 +76,27 @@ class LoraBackend(ABC):
         """ys[i] += the deltas of modules[i], all reading x: by default one apply per module."""
         for y, module in zip(ys, modules):
             self.apply(plan, y, x, layer, module)
+
+    def with_dora(self, plan: LoraPlan, seq_slots: np.ndarray, cu: np.ndarray) -> LoraPlan:
+        """plan, with each row's DoRA scale row when a step's rows include a DoRA slot (else unchanged)."""
+        dora = self.slots.dora_slots
+        if plan.dora_rows is None and dora and any(int(s) in dora for s in np.unique(seq_slots)):
+            plan.dora_rows = self.dora_index(self.to_tensor(np.repeat(seq_slots, np.diff(cu)).astype(np.int32)))
+        return plan
+
+    def dora_index(self, row_slots: torch.Tensor) -> torch.Tensor:
+        """Rows of out_scales for slots per row (-1, the base model, reads the last row: all ones)."""
+        return torch.where(row_slots < 0, self.slots.max_loras, row_slots).long()
+
+    def scale_dora(self, y: torch.Tensor, rows: torch.Tensor, layer: int, module: str) -> None:
+        """y = s[row] * (y - bias) + bias in place: DoRA's per-output scale of base plus delta, bias unscaled;
+        rows of plain LoRA and base rows read ones."""
+        s = self.slots.out_scales[layer][module].index_select(0, rows).to(y.dtype)
+        bias = self.slots.bias(layer, module)
+        if bias is None:
+            y.mul_(s)
+        else:
+            y.sub_(bias).mul_(s).add_(bias)
 
     def rows(self, token_slots: torch.Tensor) -> RowSlots:
         """A plan of one slot per row, given as a tensor already on the device (the decode graphs' buffer)."""

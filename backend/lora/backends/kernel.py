@@ -27,7 +27,8 @@ class KernelLoraBackend(LoraBackend):
         if is_decode:
             return RowSlots(self, self.to_tensor(seq_slots))
         seg_starts, seg_slots = segments(seq_slots, cu)
-        return Segments(self, self.to_tensor(seg_starts), self.to_tensor(seg_slots))
+        plan = Segments(self, self.to_tensor(seg_starts), self.to_tensor(seg_slots))
+        return self.with_dora(plan, seq_slots, cu)  # DoRA: an elementwise per-row scale after expand
 
     fuse_groups = True  # a decode step's q/k/v and gate/up in one shrink and one expand launch each
 

@@ -17,6 +17,14 @@ class NativeRows(RowSlots):
     one_call = True
 
 
+class NativeRowsEach(NativeRows):
+    """Per-row slots with a DoRA slot among them: the model takes the per-projection path (lp_decode_forward
+    has no per-output scale), each projection's deltas added by cpu_native.lora_add, then scaled."""
+
+    __slots__ = ()
+    one_call = False
+
+
 class NativeLoraBackend(TorchLoraBackend):
     """For stacks the native decode forward serves (cpu_native.DecodeForward.serves_lora): a decode step, or a
     step in the decode form, is one slot per row added inside that call (or by cpu_native.lora_add, projection
@@ -25,14 +33,16 @@ class NativeLoraBackend(TorchLoraBackend):
     one_call = True
 
     def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> LoraPlan:
-        if is_decode:
-            return NativeRows(self, self.to_tensor(seq_slots))
-        if rows_form:
-            return NativeRows(self, self.to_tensor(np.repeat(seq_slots, np.diff(cu))))
+        if is_decode or rows_form:
+            return self.rows(self.to_tensor(seq_slots if is_decode else np.repeat(seq_slots, np.diff(cu))))
         return super().plan(seq_slots, cu, is_decode)
 
     def rows(self, token_slots: torch.Tensor) -> NativeRows:
-        return NativeRows(self, token_slots)
+        plan = NativeRows(self, token_slots)
+        if plan.dora_rows is not None and bool((plan.dora_rows < self.slots.max_loras).any()):
+            return NativeRowsEach(self, token_slots)
+        plan.dora_rows = None  # no DoRA slot in these rows: the one call serves them
+        return plan
 
     def apply(self, plan: LoraPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         if not isinstance(plan, NativeRows):

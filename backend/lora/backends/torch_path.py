@@ -31,6 +31,10 @@ class TorchLoraBackend(LoraBackend):
     rows spread over many adapters, and the per-row gather for what tiles would waste."""
 
     def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> TorchPlan:
+        """The step's plan (_plan), with DoRA's per-row scales when a DoRA slot is in the step."""
+        return self.with_dora(self._plan(seq_slots, cu, is_decode), seq_slots, cu)
+
+    def _plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> TorchPlan:
         """A decode step is one dense run when every row has one adapter, else all tiles (the common case,
         kept cheap); with prefill, runs of DENSE_LORA_MIN_ROWS rows or more (or a lone segment) are dense."""
         if is_decode:
