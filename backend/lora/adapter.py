@@ -135,10 +135,19 @@ def looks_like_pickle(data: bytes) -> bool:
     return data[:4] == b"PK\x03\x04" or (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
-def max_adapter_tensors(hf_config) -> int:
-    """Most tensors an adapter of this base model holds: lora_A, lora_B (and DoRA's magnitude) of every
-    projection of every layer."""
-    return 3 * int(hf_config.num_hidden_layers) * len(MODULES)
+def max_adapter_tensors(hf_config, dora: bool = False) -> int:
+    """Most tensors an adapter of this base model holds: lora_A and lora_B (and with DoRA its magnitude) of
+    every projection of every layer."""
+    return (3 if dora else 2) * int(hf_config.num_hidden_layers) * len(MODULES)
+
+
+def uses_dora(config_bytes: bytes) -> bool:
+    """Whether an adapter_config.json sets use_dora: true (False for anything unparsable: parsing reports it)."""
+    try:
+        cfg = json.loads(config_bytes)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("use_dora") is True
 
 
 def max_header_bytes(max_tensors: int) -> int:
@@ -246,7 +255,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     shapes = module_shapes(hf_config)
     targeted = _targeted_modules(settings, num_layers, where, patterns)
     try:
-        check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config))
+        check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config, settings.use_dora))
     except AdapterError as exc:
         raise AdapterError(f"{where}: {exc}") from None
     try:

@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
-from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter
+from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter, uses_dora
 from loraplex.lora.shapes import module_shapes
 
 from loraplex.tenancy.tenants import Tenant
@@ -575,7 +575,7 @@ class AdapterStore:
             raise AdapterStoreError(f"adapter_weights is {len(weights)} bytes, more than any valid adapter of "
                                     f"this model at max_lora_rank {max_lora_rank} ({limit} bytes)")
         try:
-            check_safetensors_header(weights, max_adapter_tensors(hf_config))
+            check_safetensors_header(weights, max_adapter_tensors(hf_config, uses_dora(config_bytes)))
         except AdapterError as exc:
             raise AdapterStoreError(f"adapter {name!r}: {exc}") from None
         return config_bytes, weights

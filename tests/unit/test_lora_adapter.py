@@ -258,7 +258,7 @@ def test_corrupt_safetensors(good, hf_config, tmp_path):
 
 @pytest.mark.parametrize("changes,fragment", [
     ({"peft_type": "PREFIX_TUNING"}, "peft_type is 'PREFIX_TUNING'"),
-    ({"use_dora": True}, "DoRA"),
+    ({"use_dora": True}, "no lora_magnitude_vector"),  # DoRA without its magnitudes
     ({"bias": "all"}, "bias='all'"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out"),
