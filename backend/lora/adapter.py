@@ -14,7 +14,8 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import regex
@@ -81,7 +82,7 @@ class LoraAdapter:
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
     # DoRA (use_dora): per (layer, module) the saved magnitude m [out]; empty for plain LoRA
-    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = dataclass_field(default_factory=dict)
     # DoRA's output scale s = m / ||W + scale * B A|| (row norms) per (layer, module), computed once from the
     # base weights when the adapter first enters a slot (dora_scales), then kept with the adapter
     output_scales: dict[tuple[int, str], torch.Tensor] | None = None
