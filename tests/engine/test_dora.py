@@ -118,3 +118,28 @@ def test_dora_scale_is_computed_once_at_load(tiny):
             q.base_layer.weight, q.lora_B["default"].weight @ q.lora_A["default"].weight, q.scaling["default"])
         want = q.lora_magnitude_vector["default"].weight / norm
     torch.testing.assert_close(scales[(1, "q_proj")], want.float(), rtol=1e-6, atol=1e-6)
+
+
+LOGIT_ATOL = 1e-4  # fp32, logits O(10): as tests/engine/test_multi_lora.py
+
+
+@pytest.mark.parametrize("mode", ["reference", "shim"])
+def test_dora_logits_match_peft(tiny, monkeypatch, mode):
+    """Prefill (SGMV) and decode (BGMV) logits of DoRA, plain LoRA and base rows in one batch, within LOGIT_ATOL."""
+    from test_multi_lora import engine_logits
+
+    monkeypatch.setenv(dispatch.ENV, mode)
+    monkeypatch.setattr(dispatch, "MODE", dispatch.read_mode())
+    model_dir, adapters = tiny
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", multi_lora=adapters,
+                                    max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=8))
+    rows = [(engine.tokenizer(p).input_ids, lora) for _, lora, p in BATCH]
+    prefill, nxt, decode = engine_logits(engine, rows)
+    worst = 0.0
+    for i, (ids, lora) in enumerate(rows):
+        folder = adapters[lora] if lora else None
+        for got, want in ((prefill[i], ref.first_logits(model_dir, folder, ids)),
+                          (decode[i], ref.first_logits(model_dir, folder, ids + [nxt[i]]))):
+            torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+            worst = max(worst, float((got - want).abs().max()))
+    print(f"{mode}: max |engine - peft| logit difference {worst:.2e}")
