@@ -139,6 +139,8 @@ class AdapterManager:
         signature = files_signature(Path(folder))  # before reading: a change while reading shows at adopt
         start = time.perf_counter()
         adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+        if adapter.magnitudes and self.slots.base_weight is not None:  # DoRA's scales here, off the loop (052)
+            adapter.dora_scales(self.slots.weight_of)
         self.observe("disk_read", time.perf_counter() - start)
         return folder, signature, adapter
 

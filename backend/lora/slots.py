@@ -91,7 +91,7 @@ class LoraSlots:
                     f"adapter {adapter.name!r} layer {layer} {module}: A {list(a.shape)} / B {list(b.shape)} "
                     f"do not fit [r, {in_f}] / [{out_f}, r]"
                 )
-        dora = adapter.dora_scales(self._base_w) if adapter.magnitudes else {}
+        dora = adapter.dora_scales(self.weight_of) if adapter.magnitudes else {}
         self.clear(slot)
         if dora:
             self._write_dora(slot, dora)
@@ -109,7 +109,8 @@ class LoraSlots:
         self._ranks[:, :, slot].copy_(ranks, non_blocking=True)  # staged at once: the host never waits
         self._scales[:, :, slot].copy_(scales, non_blocking=True)
 
-    def _base_w(self, layer: int, module: str) -> torch.Tensor:
+    def weight_of(self, layer: int, module: str) -> torch.Tensor:
+        """The base projection's weight [out, in] (DoRA's norms)."""
         if self.base_weight is None:
             raise ValueError("DoRA adapters need the base model's weights (LoraSlots.base_weight is not set)")
         return self.base_weight(layer, module)[0]
