@@ -14,6 +14,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.kernels import dispatch
+from loraplex.lora.backends import native
 
 # Qwen2: q/k/v carry a bias, which DoRA leaves unscaled. Head dim 32: a kernel instantiation for the shim.
 MODEL = dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -78,8 +79,13 @@ def test_dora_matches_peft(tiny, monkeypatch, mode, batch):
     monkeypatch.setenv(dispatch.ENV, mode)
     monkeypatch.setattr(dispatch, "MODE", dispatch.read_mode())
     model_dir, adapters = tiny
+    each = []
+    monkeypatch.setattr(native.NativeRowsEach, "__init__",
+                        lambda self, *a: (each.append(1), native.NativeRows.__init__(self, *a))[1])
     engine, requests, tokens = run(model_dir, adapters, batch)
     assert engine.lora_slots.dora_slots  # the DoRA adapter is resident, its scales in the stack
+    native_backend = isinstance(engine.runner.lora, native.NativeLoraBackend)
+    assert native_backend == (mode == "auto") and bool(each) == native_backend  # DoRA rows left the one call
     for rid, req in requests.items():
         lora = req.params.lora_name
         want = ref.greedy_tokens(model_dir, adapters[lora] if lora else None, req.prompt_token_ids, MAX_TOKENS)
