@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import serving  # noqa: E402
+import serving
 
 
 def served_run(url: str, requests: list[tuple[str, int]], adapters: list[str]) -> dict:
