@@ -99,12 +99,12 @@ class LoraSlots:
         scales = torch.zeros(self.num_layers, len(MODULES), dtype=torch.float32)
         for ((layer, module), (_a, _b, scale)), (a, b) in zip(adapter.weights.items(), self._on_device(adapter)):
             r = a.shape[0]
+            if r:  # recorded before the copy: clear() zeroes exactly what was written
+                self.targets[slot][(layer, module)] = (r, float(scale))
             self.a[layer][module][slot, :r].copy_(a)
             self.b[layer][module][slot, :, :r].copy_(b)
             ranks[layer, MODULES.index(module)] = r
             scales[layer, MODULES.index(module)] = scale
-            if r:
-                self.targets[slot][(layer, module)] = (r, float(scale))
         self.slot_ranks[slot] = max((r for r, _scale in self.targets[slot].values()), default=0)
         self._ranks[:, :, slot].copy_(ranks, non_blocking=True)  # staged at once: the host never waits
         self._scales[:, :, slot].copy_(scales, non_blocking=True)
@@ -143,12 +143,14 @@ class LoraSlots:
         return out
 
     def clear(self, slot: int) -> None:
-        """Zero a slot's weights, ranks and scales (the base model for tokens that still point at it)."""
+        """Zero a slot's weights, ranks and scales (the base model for tokens that still point at it).
+
+        Only the rows its adapter wrote (its targets' ranks): the rest of every stack stays zero, so a
+        slot change costs the adapter's size, not max_lora_rank x 7 modules x layers."""
         self._check_slot(slot)
-        for layer in range(self.num_layers):
-            for m in MODULES:
-                self.a[layer][m][slot].zero_()
-                self.b[layer][m][slot].zero_()
+        for (layer, m), (r, _scale) in self.targets[slot].items():
+            self.a[layer][m][slot, :r].zero_()
+            self.b[layer][m][slot, :, :r].zero_()
         self._ranks[:, :, slot] = 0
         self._scales[:, :, slot] = 0.0
         if slot in self.dora_slots:

@@ -366,3 +366,16 @@ def test_slot_tiles_refuse_sparse_slots_and_one_dominant_adapter():
     slots = np.array([0] * 50 + list(range(1, 11)))  # one adapter owns 50 of 60 rows: 11 tiles of 50
     assert SlotTiles.plan(rows, slots, ranks, torch.from_numpy) is None
     assert SlotTiles.plan(np.array([], dtype=np.int64), np.array([], dtype=np.int64), ranks, torch.from_numpy) is None
+
+
+def test_slot_reuse_zeroes_exactly_what_the_last_adapter_wrote(hf_config, adapters):
+    """clear() zeroes only the previous adapter's rows; a reused slot still holds exactly the new adapter
+    (zeros past its ranks and in modules it does not target), whatever the slot held before."""
+    slots = new_slots(hf_config)
+    for name in ("three", "one", "two", "four", "one"):
+        adapter = load_peft_adapter(adapters[name][0], name, hf_config, 8)
+        slots.load(0, adapter)
+        assert_slot_holds(slots, 0, adapter)
+    slots.clear(0)
+    assert all(not slots.a[layer][m].any() and not slots.b[layer][m].any()
+               for layer in range(slots.num_layers) for m in MODULES)
