@@ -4,15 +4,14 @@ plain LoRA adapter and the base model, on the native CPU path, the torch path an
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
 
 import peft_reference as ref
+from tiny_llama import run_greedy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import SamplingParams
 from loraplex.kernels import dispatch
 from loraplex.lora.backends import native
 
@@ -59,17 +58,7 @@ def tiny(tmp_path_factory):
 def run(model_dir, adapters, batch):
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", multi_lora=adapters,
                                     max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=8))
-    requests = {}
-    for rid, lora, prompt in batch:
-        params = SamplingParams.from_dict({"temperature": 0, "max_tokens": MAX_TOKENS}
-                                          | ({"lora_name": lora} if lora else {}))
-        requests[rid] = engine.make_request(rid, prompt, params, "t")
-        engine.add_request(requests[rid])
-    tokens = collections.defaultdict(list)
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id] += out.token_ids
+    requests, tokens = run_greedy(engine, [(rid, lora, prompt, 1) for rid, lora, prompt in batch], MAX_TOKENS)
     return engine, requests, tokens
 
 
@@ -89,7 +78,7 @@ def test_dora_matches_peft(tiny, monkeypatch, mode, batch):
     for rid, req in requests.items():
         lora = req.params.lora_name
         want = ref.greedy_tokens(model_dir, adapters[lora] if lora else None, req.prompt_token_ids, MAX_TOKENS)
-        assert tokens[rid] == want, (mode, rid)
+        assert tokens[rid, 0] == want, (mode, rid)
     ids = requests["dora"].prompt_token_ids
     dora, base = (ref.first_logits(model_dir, adapters["dora"], ids), ref.first_logits(model_dir, None, ids))
     assert float((dora - base).abs().max()) > 1e-2  # DoRA moves the logits (the test is not vacuous)

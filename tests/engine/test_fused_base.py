@@ -8,9 +8,9 @@ import collections
 import pytest
 
 import peft_reference as ref
+from tiny_llama import build_model_and_adapters, run_greedy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import SamplingParams
 from loraplex.kernels import cpu_runner, dispatch
 from loraplex.models import llama
 
@@ -26,16 +26,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
-
-    root = tmp_path_factory.mktemp("fused-model")
-    model_dir = build_tiny_llama(root / "model", **MODEL)
-    adapters = {
-        name: str(build_peft_adapter(model_dir, root / name, s["r"], s["alpha"], s["target_modules"], s["seed"],
-                                     b_scale=0.3))
-        for name, s in ADAPTERS.items()
-    }
-    return str(model_dir), adapters
+    return build_model_and_adapters(tmp_path_factory.mktemp("fused-model"), MODEL, ADAPTERS)
 
 
 def test_fused_base_and_group_kernels_match_peft(tiny, monkeypatch):
@@ -57,22 +48,12 @@ def test_fused_base_and_group_kernels_match_peft(tiny, monkeypatch):
     ))
     assert engine.model.fused_weights is not None and engine.model.packed is None
     assert engine.model.layers[0]["q_proj"] is None  # only the fused copy is kept
-    requests = {}
-    for rid, lora, prompt, n in REQUESTS:
-        params = SamplingParams.from_dict({"temperature": 0, "max_tokens": MAX_TOKENS, "n": n}
-                                          | ({"lora_name": lora} if lora else {}))
-        requests[rid] = engine.make_request(rid, prompt, params, "t")
-        engine.add_request(requests[rid])
-    tokens = collections.defaultdict(list)
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id] += out.token_ids
+    requests, tokens = run_greedy(engine, REQUESTS, MAX_TOKENS)
     assert launches["shrink_bgmv_group"] >= 1 and launches["expand_bgmv_group"] >= 1, launches
     for rid, req in requests.items():
         lora = req.params.lora_name
         want = ref.greedy_tokens(model_dir, adapters[lora] if lora else None, req.prompt_token_ids, MAX_TOKENS)
-        assert tokens[rid] == want, rid
+        assert tokens[rid, 0] == want, rid
 
 
 @pytest.mark.parametrize(("value", "device", "want"), [

@@ -13,6 +13,7 @@ import collections
 import pytest
 
 import peft_reference as ref
+from tiny_llama import build_model_and_adapters, run_greedy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.kernels import cpu_runner, dispatch
@@ -39,16 +40,7 @@ KERNELS = (
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, adapter name -> PEFT dir) of a tiny LLaMA the shim runs quickly."""
-    from loraplex.models.builtin.demo import build_peft_adapter, build_tiny_llama
-
-    root = tmp_path_factory.mktemp("shim-model")
-    model_dir = build_tiny_llama(root / "model", **MODEL)
-    adapters = {
-        name: str(build_peft_adapter(model_dir, root / name, s["r"], s["alpha"], s["target_modules"], s["seed"],
-                                     b_scale=0.3))
-        for name, s in ADAPTERS.items()
-    }
-    return str(model_dir), adapters
+    return build_model_and_adapters(tmp_path_factory.mktemp("shim-model"), MODEL, ADAPTERS)
 
 
 @pytest.fixture
@@ -146,17 +138,7 @@ def test_decode_graph_replays_match_peft(tiny, shim_launches):
 
     runner.execute = counting
     lengths = {"attn": 6, "mlp": 4, "base": 10, "attn-hit": 7}  # 5 sequences, then 4, 3, 2 (base's two samples)
-    requests = {}
-    for rid, lora, prompt, n in [*FIRST, HIT]:
-        params = SamplingParams.from_dict({"temperature": 0, "max_tokens": lengths[rid], "n": n}
-                                          | ({"lora_name": lora} if lora else {}))
-        requests[rid] = engine.make_request(rid, prompt, params, "t")
-        engine.add_request(requests[rid])
-    tokens = collections.defaultdict(list)
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id, out.index] += out.token_ids
+    requests, tokens = run_greedy(engine, [*FIRST, HIT], lengths)
 
     assert sizes[5] >= 1 and sizes[3] >= 1, sizes  # 5: eager; 3: padded to 4
     assert sum(replayed.values()) == sum(n for size, n in sizes.items() if size <= 4)
