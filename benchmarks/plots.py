@@ -1,8 +1,11 @@
-"""Plots of a `benchmarks/suite.py` run, drawn with matplotlib (AIPerf's virtualenv has it; ours does not).
+"""Plots of a `benchmarks/suite.py` or `benchmarks/many_adapters.py` run, drawn with matplotlib (AIPerf's
+virtualenv has it; ours does not).
 
-    .cache/aiperf-venv/bin/python benchmarks/plots.py SUITE_JSON OUT_DIR
+    .cache/aiperf-venv/bin/python benchmarks/plots.py SUITE_OR_MANY_ADAPTERS_JSON OUT_DIR
 
 Writes, for the parts the run has, and prints each file's path:
+  many_adapters.png       many_adapters.py: output tokens/s, and TTFT p99 of cold and warm requests, per
+                          workload (base, 8, 1,000 and 2,000 adapters, uniform and Zipf), one series per server
   throughput_vs_load.png  batching: output tokens/s and TTFT p99 against offered load, continuous and static
   latency_cdf.png         batching at its highest rate: TTFT and e2e latency CDFs, continuous and static;
                           prefix: TTFT CDFs with the prefix cache on and off
@@ -71,6 +74,34 @@ def latency_cdfs(parts: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def many_adapters(results: list[dict], path: Path) -> None:
+    """many_adapters.py's runs: tok/s and TTFT p99 (cold: hollow markers, warm: filled) by workload and server."""
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    servers = list(dict.fromkeys(r["server"] for r in results))
+    fig, (tps, ttft) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for k, server in enumerate(servers):
+        runs = {r["workload"]: r for r in results if r["server"] == server}
+        xs = [i for i, w in enumerate(workloads) if w in runs]
+        tps.plot(xs, [runs[workloads[i]]["output_tokens_per_s"] for i in xs], "o-", color=f"C{k}", label=server)
+        for kind, fill in (("warm", f"C{k}"), ("cold", "none")):
+            pts = [(i, runs[workloads[i]][f"ttft_{kind}_p99_ms"]) for i in xs
+                   if runs[workloads[i]].get(f"ttft_{kind}_p99_ms") is not None]
+            if pts:
+                ttft.plot(*zip(*pts), "o", color=f"C{k}", markerfacecolor=fill, label=f"{server} {kind}")
+    for ax in (tps, ttft):
+        ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right")
+        ax.grid(alpha=0.3)
+    tps.set_ylabel("output tokens/s")
+    tps.set_ylim(bottom=0)
+    ttft.set_ylabel("TTFT p99 ms (hollow: cold adapter)")
+    ttft.set_yscale("log")
+    tps.legend(fontsize=8)
+    ttft.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -78,6 +109,10 @@ def main(argv: list[str]) -> int:
     report = json.loads(Path(argv[0]).read_text())
     out_dir = Path(argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "parts" not in report:  # many_adapters.py
+        many_adapters(report["results"], out_dir / "many_adapters.png")
+        print(out_dir / "many_adapters.png")
+        return 0
     parts, written = report["parts"], []
     if "batching" in parts:
         throughput_vs_load(parts["batching"], out_dir / "throughput_vs_load.png")
