@@ -218,11 +218,8 @@ class LLMEngine:
 
     def _adapters_waiting(self) -> Values:
         """Distinct adapters that waiting sequences need and no current slot holds, by the tier they are in."""
-        adapters, wanted = self.adapters, set()
-        for seq in self.scheduler.waiting.sequences():
-            name = seq.request.adapter_key
-            if name:
-                wanted.add(name)
+        adapters = self.adapters
+        wanted = {seq.request.adapter_key for seq in self.scheduler.waiting.sequences() if seq.request.adapter_key}
         on_host = set(adapters.host_names())
         cold = [name for name in wanted if not adapters.is_resident(name)]
         host = sum(1 for name in cold if name in on_host)
