@@ -34,6 +34,10 @@ class GenerateInput:
     tenant: str
 
 
+# sampling_parameters over this many bytes is refused before it is parsed: room for a 64 KiB constraint written as
+# JSON-escaped text (up to 6 bytes a character) and every other field at its own bound.
+MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
+
 # vllm_backend's exact text (its clients compare it word for word).
 STREAM_ECHO_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 
@@ -60,6 +64,9 @@ def _flag(inputs: dict, name: str, default: bool) -> bool:
 
 
 def _sampling_json(raw) -> dict:
+    size = len(raw.encode("utf-8", "surrogatepass")) if isinstance(raw, str) else len(raw or b"")
+    if size > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise InvalidRequest(f"sampling_parameters is {size} bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES} are accepted")
     try:
         sampling = json.loads(raw) if raw else {}
     except (ValueError, TypeError, RecursionError) as exc:

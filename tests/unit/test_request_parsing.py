@@ -80,3 +80,15 @@ def test_sampling_json_and_request_parameters_and_tenant():
     assert parse_generate_input(inputs, {"x-api-key": "k", "api_key": "k"}).params.max_tokens == 3  # not sampling keys
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         parse_generate_input({"text_input": text("hi"), "sampling_parameters": text("{nope")}, {})
+
+
+def test_sampling_parameters_over_the_byte_bound_are_refused_before_they_are_parsed(monkeypatch):
+    from loraplex.triton import parsing
+
+    def never(*_):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(parsing.json, "loads", never)
+    body = '{"stop": ["' + "x" * parsing.MAX_SAMPLING_PARAMETERS_BYTES + '"]}'
+    with pytest.raises(InvalidRequest, match=f"at most {parsing.MAX_SAMPLING_PARAMETERS_BYTES} are accepted"):
+        parse_generate_input({"text_input": text("hi"), "sampling_parameters": text(body)}, {})
