@@ -26,8 +26,8 @@ from loraplex.openai.errors import OpenAIError, bad_request, internal_error, una
 from loraplex.openai.generation import Generation
 from loraplex.openai.intake import Intake, on_close, request_id
 from loraplex.openai.limits import MAX_MODELS, Limits
-from loraplex.openai.lora_api import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin, multipart_fields,
-                                      not_enabled, read_adapter_files, resolve_under, upload_parts)
+from loraplex.openai.lora_api import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin, not_enabled,
+                                      read_adapter_files, resolve_under, upload_parts, upload_reader)
 from loraplex.openai.offload import RenderPool
 from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loraplex.openai.responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
@@ -37,6 +37,7 @@ from loraplex.openai.tool_output import ToolOutput
 from loraplex.openai.triton_stream import WRITE_TIMEOUT_S, TritonClient, adapters_request
 
 log = logging.getLogger("loraplex.openai")
+UPLOAD_PATH = "/v1/lora_adapters"  # a tenant's adapter upload: its body is read after the key passed, as it arrives
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -136,7 +137,7 @@ class Gateway:
                 break
         base = self.settings.base_model
         card = {"object": "model", "created": self.created, "owned_by": "loraplex"}
-        data = [] if after else [{"id": base, **card, "root": self.settings.model_dir or base, "parent": None}]
+        data = [] if after else [{"id": base, **card, "root": base, "parent": None}]  # vLLM's root: the served name
         data += [{"id": name, **card, "root": name, "parent": base} for name in names]
         return {"object": "list", "data": data, "has_more": cursor is not None,
                 "last_id": names[-1] if names else None}
@@ -202,7 +203,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
     app = FastAPI(title="loraplex-openai", lifespan=lifespan)
     app.state.gateway = gw
     app.add_middleware(Intake, max_body_bytes=limits.max_body_bytes,
-                       route_bytes={"/v1/lora_adapters": limits.max_upload_bytes})
+                       route_bytes={UPLOAD_PATH: limits.max_upload_bytes}, streamed=frozenset({UPLOAD_PATH}))
 
     def tokenizer_needed() -> ChatRenderer:
         if renderer is None:
@@ -280,12 +281,16 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         log.info("shared adapter unloaded: %s", body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @app.post("/v1/lora_adapters")
+    @app.post(UPLOAD_PATH)
     async def upload_lora_adapter(request: Request):
-        fields = multipart_fields(request.headers.get("content-type", ""), await request.body())
-        name, config, weights = upload_parts(fields)
+        headers = identity_headers(request)
+        await gw.check_model(None, headers)  # the caller's key, before a byte of the body is read
+        reader = upload_reader(request.headers.get("content-type", ""), limits.max_upload_bytes)
+        async for chunk in request.stream():  # each chunk's work is linear in it (multipart.py)
+            reader.feed(chunk)
+        name, config, weights = upload_parts(reader.close())
         inputs = {"adapter_name": name, "adapter_config": config, "adapter_weights": weights}
-        return await triton.adapters(adapters_request("upload", inputs), identity_headers(request), WRITE_TIMEOUT_S)
+        return await triton.adapters(adapters_request("upload", inputs), headers, WRITE_TIMEOUT_S)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -59,7 +59,9 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """``Retry-After`` on a 429 or 503."""
+        """``Retry-After`` on a 429 or 503; ``Connection: close`` on a 413 (the rest of that body is not read)."""
+        if self.status == 413:
+            return {"Connection": "close"}
         seconds = RETRY_AFTER_S.get(self.status)
         return {"Retry-After": str(seconds)} if seconds is not None else {}
 

@@ -2,7 +2,9 @@
 
 The body is read whole before the app runs, and refused with a 413 as soon as its Content-Length
 or the bytes read so far pass the bound (the rest is never read). The app then reads it from
-memory while the connection is watched: a client that disconnects before its response ended
+memory while the connection is watched. A streamed route (the adapter upload) is not read ahead:
+it checks the caller's key first and reads its body as it arrives, within the same bound, and
+the watch starts once the body is read. Watched, a client that disconnects before its response ended
 (waiting for a template, in the engine's queue, mid-stream) cancels the app, and every Triton
 stream the request opened (``on_close``) is cancelled when the request ends, however it ends.
 """
@@ -44,11 +46,15 @@ async def _refuse(send, error: OpenAIError, rid: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _read_body(scope: dict, receive, limit: int) -> bytes | None:
-    """The whole body; None when the client left; raises OpenAIError (413) past ``limit`` bytes."""
+def _declared_too_large(scope: dict, limit: int) -> None:
+    """413 when the request's Content-Length is over ``limit`` (nothing of the body is read)."""
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise too_large(limit)
+
+
+async def _read_body(scope: dict, receive, limit: int) -> bytes | None:
+    """The whole body; None when the client left; raises OpenAIError (413) past ``limit`` bytes."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -69,11 +75,17 @@ async def _disconnected(receive) -> None:
 
 
 class Intake:
-    """ASGI middleware: request id, bounded body, and cancel-on-disconnect for every HTTP request."""
+    """ASGI middleware: request id, bounded body, and cancel-on-disconnect for every HTTP request.
 
-    def __init__(self, app, max_body_bytes: int, route_bytes: dict[str, int] | None = None):
+    A path in ``streamed`` is not read ahead: its route checks the caller first and reads the body itself
+    as it arrives (still refused with a 413 past its bound); the disconnect watch starts once it is read.
+    """
+
+    def __init__(self, app, max_body_bytes: int, route_bytes: dict[str, int] | None = None,
+                 streamed: frozenset[str] = frozenset()):
         self.app, self.max_body_bytes = app, max_body_bytes
         self.route_bytes = dict(route_bytes or {})  # path -> its own bound (an adapter upload's)
+        self.streamed = frozenset(streamed)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,31 +93,17 @@ class Intake:
         rid = secrets.token_hex(8)
         scope[REQUEST_ID], scope[ON_CLOSE] = rid, []
         tag, ended, gone = rid.encode(), False, asyncio.Event()
+        limit = self.route_bytes.get(scope.get("path"), self.max_body_bytes)
+        streamed = scope.get("path") in self.streamed
         try:
-            body = await _read_body(scope, receive, self.route_bytes.get(scope.get("path"), self.max_body_bytes))
+            _declared_too_large(scope, limit)
+            body = None if streamed else await _read_body(scope, receive, limit)
         except OpenAIError as exc:
             return await _refuse(send, exc, tag)
-        if body is None:
+        if body is None and not streamed:
             return
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def tagged_send(message):
-            nonlocal ended
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", tag)]}
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                ended = True
-            await send(message)
-
-        current, left, finished = asyncio.current_task(), False, False
+        delivered, size = False, 0
+        current, left, finished, watcher = asyncio.current_task(), False, False, None
 
         async def watch():
             nonlocal left
@@ -115,15 +113,52 @@ class Intake:
                 left = True
                 current.cancel()
 
-        watcher = asyncio.ensure_future(watch())
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def stream():
+            nonlocal delivered, size, watcher
+            if delivered:
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.disconnect":  # the client left while its body was read
+                gone.set()
+                raise asyncio.CancelledError
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise too_large(limit)
+            if not message.get("more_body"):
+                delivered = True
+                watcher = asyncio.ensure_future(watch())
+            return message
+
+        async def tagged_send(message):
+            nonlocal ended
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", tag)]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        if not streamed:
+            watcher = asyncio.ensure_future(watch())
         try:
-            await self.app(scope, replay, tagged_send)
+            await self.app(scope, stream if streamed else replay, tagged_send)
         except asyncio.CancelledError:
+            if gone.is_set() and not left and not delivered and current.cancelling() == 0:
+                return  # raised by stream(): the client left while its body was read
             if not left or current.cancelling() > 1:
                 raise
         finally:
             finished = True
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if left:
                 current.uncancel()
             for callback in scope[ON_CLOSE]:

@@ -5,26 +5,29 @@ Loading is the operator's: it needs the admin key (``x-loraplex-admin-key``, or 
 compared here in constant time and again by lora_adapters, and a ``lora_path`` that resolves (symlinks
 followed) to a folder under ``--lora-root``; the two files are read from there with bounded sizes and
 sent to lora_adapters, which validates them exactly as an upload and stores a new shared version.
+
+A tenant's upload is read only after its key passed (the route asks Triton first), and then as it
+arrives, through multipart.py's streaming reader with this module's field policy: ``name``,
+``adapter_config`` and ``adapter_model``, each refused past its size while it is read.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.openai.errors import OpenAIError, bad_request
+from loraplex.openai.multipart import MultipartReader, boundary_of
 
 ADMIN_HEADER = "x-loraplex-admin-key"
 ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
 LORA_ROOT_ENV = "LORAPLEX_LORA_ROOT"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 64 * 1024  # loraplex.lora.store.MAX_CONFIG_BYTES
-MAX_PARTS = 8  # multipart parts read at most
-_TOKEN = re.compile(r'([\w-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]+))')
+MAX_NAME_BYTES = 256  # the name field (adapter names are at most 64 characters)
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -108,41 +111,21 @@ def read_adapter_files(folder: Path, root: str, max_bytes: int) -> tuple[bytes, 
     return files[0], files[1]
 
 
-def _disposition(value: str) -> dict[str, str]:
-    return {k.lower(): (quoted if quoted is not None else bare).replace('\\"', '"')
-            for k, quoted, bare in (m.groups() for m in _TOKEN.finditer(value)) if k}
+def upload_fields(max_upload_bytes: int) -> dict[str, int]:
+    """An upload's multipart fields and the most bytes each may hold."""
+    return {"name": MAX_NAME_BYTES, "adapter_config": MAX_CONFIG_BYTES, "adapter_model": max_upload_bytes}
 
 
-def multipart_fields(content_type: str, body: bytes) -> dict[str, bytes]:
-    """The named parts of a multipart/form-data body (already read whole within its bound); 400 if malformed."""
-    kind, _, params = content_type.partition(";")
-    if kind.strip().lower() != "multipart/form-data":
-        raise bad_request("the upload must be multipart/form-data (fields name, adapter_config, adapter_model)")
-    boundary = _disposition(params).get("boundary")
-    if not boundary or len(boundary) > 200:
-        raise bad_request("the multipart body has no boundary")
-    delimiter = b"--" + boundary.encode("latin-1")
-    pieces = body.split(delimiter)
-    if len(pieces) < 3 or not pieces[-1].startswith(b"--"):
-        raise bad_request("the multipart body is not terminated by its boundary")
-    fields: dict[str, bytes] = {}
-    for piece in pieces[1:-1][:MAX_PARTS + 1]:
-        if len(fields) >= MAX_PARTS:
-            raise bad_request(f"the multipart body has more than {MAX_PARTS} parts")
-        head, sep, content = piece.removeprefix(b"\r\n").partition(b"\r\n\r\n")
-        if not sep or not content.endswith(b"\r\n"):
-            raise bad_request("a multipart part is malformed")
-        headers = {}
-        for line in head.decode("latin-1").split("\r\n"):
-            key, _, value = line.partition(":")
-            headers[key.strip().lower()] = value.strip()
-        name = _disposition(headers.get("content-disposition", "")).get("name")
-        if not name:
-            raise bad_request("a multipart part has no name")
-        if name in fields:
-            raise bad_request(f"the multipart field {name[:40]!r} is given twice")
-        fields[name] = content[:-2]
-    return fields
+def upload_reader(content_type: str, max_upload_bytes: int) -> MultipartReader:
+    """The streaming reader of an upload's body (400 for a Content-Type that is not multipart/form-data)."""
+    return MultipartReader(boundary_of(content_type), upload_fields(max_upload_bytes))
+
+
+def multipart_fields(content_type: str, body: bytes, fields: dict[str, int] | None = None) -> dict[str, bytes]:
+    """The named parts of a whole multipart/form-data body (``fields``: the reader's policy); 400 if malformed."""
+    reader = MultipartReader(boundary_of(content_type), fields)
+    reader.feed(body)
+    return reader.close()
 
 
 def upload_parts(fields: dict[str, bytes]) -> tuple[str, str, bytes]:

@@ -21,7 +21,7 @@ import requests
 
 from loraplex.openai.app import Settings, create_app
 from loraplex.openai.chat import COUNT_CHARS_PER_TOKEN, ChatRenderer
-from loraplex.openai.errors import client_text, from_rpc, from_triton
+from loraplex.openai.errors import OpenAIError, client_text, from_rpc, from_triton
 from loraplex.openai.limits import Limits
 from loraplex.openai.offload import RenderPool
 from loraplex.openai.protocol import ChatCompletionRequest
@@ -29,7 +29,9 @@ from loraplex.openai.template_inputs import TEMPLATE_VARIABLES
 from loraplex.openai.triton_stream import Delta
 from loraplex.launch.tritonserver import free_ports
 
-LIMITS = Limits(max_body_bytes=64 * 1024, max_messages=8, max_choices=6, render_threads=2, render_timeout_s=1.0)
+LIMITS = Limits(max_body_bytes=64 * 1024, max_messages=8, max_choices=6, render_threads=2, render_timeout_s=1.0,
+                max_upload_bytes=256 * 1024)
+BAD_KEY = "bad-key"  # the fake Triton refuses this key (401) and takes any other
 MESSAGES = [{"role": "user", "content": "Hi"}]
 SLOW = "SLOW"  # a message with this content renders until SlowRenderer.release is set, SLOW_S at most
 SLOW_S = 15.0
@@ -47,8 +49,10 @@ class FakeTriton:
     async def close(self):
         pass
 
-    async def visible_adapters(self, headers):
-        return []
+    async def visible_adapters(self, headers, cursor=None, limit=None):
+        if headers.get("x-api-key") == BAD_KEY:
+            raise OpenAIError(401, "missing or invalid API key", "invalid_request_error", None, "invalid_api_key")
+        return [], None
 
     async def generate(self, prompt, params, headers, logprobs=False, request_id=None):
         self.started.append(request_id)
@@ -373,6 +377,77 @@ def test_a_client_that_leaves_mid_body_starts_nothing(served):
     assert requests.get(f"{url}/health", timeout=5).status_code == 200
 
 
+# ---- adapter uploads (a streamed route) -----------------------------------------------------------------
+UPLOAD_HEAD = b"POST /v1/lora_adapters HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+
+
+def test_an_upload_with_a_bad_key_is_401_before_its_body_is_read(served):
+    url, _ = served
+    sock = raw(url)
+    sock.sendall(UPLOAD_HEAD + f"Authorization: Bearer {BAD_KEY}\r\nContent-Length: 100000\r\n\r\n".encode())
+    sock.settimeout(5)
+    answer = sock.recv(65536)  # none of the body was sent
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer
+
+
+def whole_answer(sock, data: bytes) -> bytes:
+    """``data`` and the rest of its response, up to its Content-Length."""
+    sock.settimeout(5)
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            data.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+        data += sock.recv(65536)
+    return data
+
+
+def send_until_answered(sock, head: bytes, chunk: bytes, most: int) -> tuple[bytes, int]:
+    """Send ``head``, then ``chunk`` as HTTP chunks until the server answers (bytes sent: at most ``most``)."""
+    sock.sendall(head)
+    sock.settimeout(0.05)
+    sent = 0
+    while True:
+        try:
+            return whole_answer(sock, sock.recv(65536)), sent
+        except socket.timeout:
+            pass
+        assert sent < most, "the gateway kept reading"
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        sent += len(chunk)
+
+
+def test_a_long_part_header_is_refused_at_its_bound_while_it_is_read(served):
+    url, _ = served
+    sock = raw(url)
+    part = b"--b\r\nContent-Disposition: form-data; "
+    head = UPLOAD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(part), part)
+    answer, sent = send_until_answered(sock, head, b"a" * 1024, 64 * 1024)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"headers are over 8192 bytes" in answer
+    assert sent < 32 * 1024  # refused near the part header's bound (8 KiB), not at the body's
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_an_upload_past_its_bound_is_413_while_it_is_read(served):
+    url, _ = served
+    sock = raw(url)
+    part = b'--b\r\nContent-Disposition: form-data; name="adapter_model"\r\n\r\n'
+    head = UPLOAD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(part), part)
+    answer, sent = send_until_answered(sock, head, b"w" * 8192, 64 * LIMITS.max_upload_bytes)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
+    assert sent < 2 * LIMITS.max_upload_bytes
+
+
+def test_a_client_that_leaves_mid_upload_ends_its_request(served):
+    url, triton = served
+    sock = raw(url)
+    client = sock.getsockname()
+    sock.sendall(UPLOAD_HEAD + b"Content-Length: 1000\r\n\r\n--b\r\n")
+    sock.close()
+    wait_until(lambda: client in triton.ended)
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
 # ---- error texts -----------------------------------------------------------------------------------------
 class RpcError(grpc.RpcError):
     def __init__(self, code, details):
@@ -435,6 +510,9 @@ def test_an_unexpected_failure_is_500_with_the_request_id_and_no_repr(served):
 
 def test_models_and_errors_name_no_path(served, demo):
     url, _ = served
+    models = requests.get(f"{url}/v1/models", timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["root"] == "model"  # the served name, as vLLM
+    assert str(Path(demo["model"])) not in models.text and str(Path(demo["model"]).resolve()) not in models.text
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     error = error_of(r, 400, "messages")
     assert str(Path(demo["model"])) not in error["message"]

@@ -9,7 +9,8 @@ import pytest
 
 from loraplex.openai.errors import OpenAIError
 from loraplex.openai.lora_api import (MAX_CONFIG_BYTES, check_admin, multipart_fields, read_adapter_files,
-                                      resolve_under, upload_parts)
+                                      resolve_under, upload_fields, upload_parts, upload_reader)
+from loraplex.openai.multipart import MAX_PART_HEADER_BYTES, MAX_PARTS, MultipartReader, parameters
 
 
 @pytest.fixture
@@ -84,3 +85,50 @@ def test_multipart_upload_fields():
     assert "not terminated" in status(multipart_fields, ctype, body[:-10])[1]
     assert "multipart/form-data" in status(multipart_fields, "application/json", body)[1]
     assert "no boundary" in status(multipart_fields, "multipart/form-data", body)[1]
+    assert "over 70" in status(multipart_fields, "multipart/form-data; boundary=" + "b" * 71, body)[1]
+
+
+def test_multipart_read_byte_by_byte_equals_read_whole():
+    weights = bytes(range(256)) * 8 + b"\r\n--XyY\r\n--Xy"  # near misses of the delimiter
+    ctype, body = form(("name", b"support"), ("adapter_config", b'{"r": 4}'), ("adapter_model", weights))
+    reader = upload_reader(ctype, 1 << 20)
+    for i in range(len(body)):
+        reader.feed(body[i:i + 1])
+    assert reader.close() == multipart_fields(ctype, body) == {"name": b"support", "adapter_config": b'{"r": 4}',
+                                                               "adapter_model": weights}
+    padded = body.replace(b"--XyZ\r\n", b"--XyZ \t\r\n", 1)  # RFC 2046 transport padding
+    assert multipart_fields(ctype, b"preamble\r\n" + padded + b"epilogue")["name"] == b"support"
+
+
+def test_multipart_bounds_are_checked_while_reading():
+    ctype = "multipart/form-data; boundary=XyZ"
+    reader = upload_reader(ctype, 1 << 20)
+    head = b"\r\nContent-Disposition: form-data; "  # a part's header block starts after its boundary
+    reader.feed(b"--XyZ" + head + b"a" * (MAX_PART_HEADER_BYTES - len(head)))  # at the bound: still read
+    with pytest.raises(OpenAIError, match=f"headers are over {MAX_PART_HEADER_BYTES} bytes"):
+        reader.feed(b"a" * 4)
+    tiny = b"".join(b'--XyZ\r\nContent-Disposition: form-data; name="f%d"\r\n\r\n\r\n' % i for i in range(10))
+    many = MultipartReader(b"XyZ")
+    with pytest.raises(OpenAIError, match="more than 8 parts"):
+        many.feed(tiny + b"x" * (1 << 20))
+    assert many.parts == MAX_PARTS + 1
+    with pytest.raises(OpenAIError, match="before its first boundary"):
+        MultipartReader(b"XyZ").feed(b"p" * (MAX_PART_HEADER_BYTES + 100))
+    with pytest.raises(OpenAIError, match="unknown multipart field 'extra'") as unknown:
+        upload_reader(ctype, 100).feed(b'--XyZ\r\nContent-Disposition: form-data; name="extra"\r\n\r\n')
+    assert unknown.value.param == "extra"
+    big = upload_reader(ctype, 100)
+    big.feed(b'--XyZ\r\nContent-Disposition: form-data; name="adapter_model"\r\n\r\n' + b"w" * 100)
+    with pytest.raises(OpenAIError, match="'adapter_model' is over 100 bytes"):
+        big.feed(b"w" * 100)
+    assert upload_fields(100) == {"name": 256, "adapter_config": MAX_CONFIG_BYTES, "adapter_model": 100}
+    for bad in (b"--XyZ\r\n\r\nno headers", b"--XyZ\r\nContent-Disposition: attachment; name=a\r\n\r\n",
+                b"--XyZ\r\nno colon\r\n\r\n", b"--XyZjunk\r\nContent-Disposition: form-data; name=a\r\n\r\n"):
+        with pytest.raises(OpenAIError):
+            MultipartReader(b"XyZ").feed(bad)
+
+
+def test_header_parameters_are_read_in_one_pass():
+    assert parameters(' name="a\\"b;c"; filename=x.bin ;flag; NAME=ignored') == {"name": 'a"b;c', "filename": "x.bin"}
+    assert parameters("a" * 100_000) == {} and parameters('name="unterminated') == {"name": "unterminated"}
+    assert parameters(" boundary = ----x ") == {"boundary": "----x"}
