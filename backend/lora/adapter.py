@@ -13,17 +13,16 @@ import json
 import logging
 import math
 import re
-import time
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
 
-import regex
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from loraplex.exceptions import AdapterError
+from loraplex.lora.patterns import MAX_REGEX_CHARS, REGEX_BUDGET_SECONDS, Patterns, check_pattern  # noqa: F401
 from loraplex.lora.shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
 
 CONFIG_FILE = "adapter_config.json"
@@ -48,8 +47,7 @@ _UNSUPPORTED = (
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
-MAX_REGEX_CHARS = 256  # a tenant-supplied pattern (target/exclude_modules, rank/alpha_pattern keys, layers_pattern)
-REGEX_BUDGET_SECONDS = 0.5  # all pattern matching of one adapter load together
+MAX_CONFIG_BYTES = 64 * 1024  # adapter_config.json (peft writes about 1 KiB)
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on the JSON header
 HEADER_ALLOWANCE = 64 * 1024  # header bytes allowed beyond HEADER_BYTES_PER_TENSOR per tensor (__metadata__)
 HEADER_BYTES_PER_TENSOR = 1024  # one tensor's entry (peft writes about 130 bytes)
@@ -96,16 +94,29 @@ class LoraAdapter:
         """DoRA's per-output scale of each targeted module (computed once; base_weight(layer, module) -> W
         [out, in]); empty for plain LoRA. Like peft: s = m / ||W + scale * B A||_row, in float32."""
         if self.output_scales is None:
-            self.output_scales = {key: dora_output_scale(base_weight(*key), *self.weights[key], self.magnitudes[key])
-                                  for key in self.magnitudes}
+            scales = {}
+            for key in self.magnitudes:
+                try:
+                    scales[key] = dora_output_scale(base_weight(*key), *self.weights[key], self.magnitudes[key])
+                except ValueError as exc:
+                    raise AdapterError(f"adapter {self.name!r}: DoRA on {module_path(*key)}: {exc}") from None
+            self.output_scales = scales
         return self.output_scales
 
 
 def dora_output_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
                       magnitude: torch.Tensor) -> torch.Tensor:
-    """m / ||W + scale * B A|| over the input dim, per output feature (peft's DoraLinearLayer.get_weight_norm)."""
+    """m / ||W + scale * B A|| over the input dim, per output feature (peft's DoraLinearLayer.get_weight_norm);
+    ValueError unless the norms and the scales are finite."""
     merged = weight.detach().float().cpu() + scale * (b.float() @ a.float())
-    return (magnitude.float() / torch.linalg.norm(merged, dim=1)).contiguous()
+    norms = torch.linalg.norm(merged, dim=1)
+    if not bool(torch.isfinite(norms).all()):
+        raise ValueError("a row norm of W + scale * B A is not finite in float32 (lora_A / lora_B out of range)")
+    out = magnitude.float() / norms
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("the output scale lora_magnitude_vector / ||W + scale * B A|| is not finite in float32 "
+                         "(a magnitude out of range, or a row norm of 0)")
+    return out.contiguous()
 
 
 @dataclass(slots=True)
@@ -241,6 +252,9 @@ def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torc
                 f"execution), convert the adapter to {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{where}: missing {WEIGHTS_FILE}")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is {config_path.stat().st_size} bytes; at most "
+                           f"{MAX_CONFIG_BYTES} are allowed")
     return parse_peft_adapter(config_path.read_bytes(), weights_path.read_bytes(), name, hf_config, max_lora_rank,
                               dtype, path=str(folder))
 
@@ -250,7 +264,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     """Validate and convert a PEFT LoRA adapter given as its two files' bytes (see load_peft_adapter)."""
     where = f"adapter {name!r}"
     digest = adapter_digest(config_bytes, weights_bytes)
-    patterns = _Patterns(where)
+    patterns = Patterns(where)
     settings = _parse_config(config_bytes, where)
     num_layers = int(hf_config.num_hidden_layers)
     shapes = module_shapes(hf_config)
@@ -336,10 +350,14 @@ def _checked(tensor_name, t, expected, dtype, where) -> torch.Tensor:
 
 
 def _parse_config(config_bytes: bytes, where: str) -> _Settings:
+    if len(config_bytes) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is {len(config_bytes)} bytes; at most {MAX_CONFIG_BYTES} are allowed")
     try:
         cfg = json.loads(config_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise AdapterError(f"{where}: {CONFIG_FILE} nests too deeply") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object")
     peft_type = cfg.get("peft_type")
@@ -404,14 +422,7 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     regexes += [(field, v) for field, v in (("target_modules", target_modules), ("exclude_modules", exclude))
                 if isinstance(v, str)]
     for field, pattern in regexes:
-        if len(pattern) > MAX_REGEX_CHARS:
-            raise AdapterError(f"{where}: {field} pattern is {len(pattern)} characters long; "
-                               f"at most {MAX_REGEX_CHARS} are allowed")
-        try:
-            re.compile(pattern)  # what peft accepts
-            regex.compile(pattern)  # what we match with (under a time budget)
-        except (re.error, regex.error) as exc:
-            raise AdapterError(f"{where}: {field} pattern {pattern!r} is not a valid regex: {exc}") from exc
+        check_pattern(field, pattern, where)
 
     return _Settings(
         r=r,
@@ -451,39 +462,7 @@ def _json(value) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
-class _Patterns:
-    """Tenant-supplied regexes matched with the regex package under one deadline per adapter load."""
-
-    def __init__(self, where: str, budget: float = REGEX_BUDGET_SECONDS):
-        self.where, self.budget = where, budget
-        self.deadline = time.monotonic() + budget
-        self._compiled: dict[str, regex.Pattern] = {}
-
-    def _run(self, field: str, pattern: str, method: str, key: str):
-        compiled = self._compiled.get(pattern)
-        if compiled is None:
-            compiled = self._compiled[pattern] = regex.compile(pattern)
-        left = self.deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            return getattr(compiled, method)(key, timeout=left)
-        except TimeoutError:
-            raise AdapterError(
-                f"{self.where}: matching the {field} patterns took longer than {self.budget:g} s; "
-                f"simplify them (catastrophic backtracking?)"
-            ) from None
-
-    def fullmatch(self, field: str, pattern: str, key: str):
-        """re.fullmatch(pattern, key), bounded by the deadline."""
-        return self._run(field, pattern, "fullmatch", key)
-
-    def match(self, field: str, pattern: str, key: str):
-        """re.match(pattern, key), bounded by the deadline."""
-        return self._run(field, pattern, "match", key)
-
-
-def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: _Patterns) -> set[tuple[int, str]]:
+def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns) -> set[tuple[int, str]]:
     """(layer, module) pairs the config selects, matched on full names the way peft does."""
     if s.layers_to_transform is not None:
         for i in s.layers_to_transform:
@@ -506,7 +485,7 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: _Patterns) 
     return targeted
 
 
-def _is_targeted(s: _Settings, key: str, rx: _Patterns) -> bool:
+def _is_targeted(s: _Settings, key: str, rx: Patterns) -> bool:
     """peft's check_target_module_exists for one full module name."""
     ex = s.exclude_modules
     if ex:
@@ -535,7 +514,7 @@ def _is_targeted(s: _Settings, key: str, rx: _Patterns) -> bool:
     return match is not None and int(match.group("idx")) in s.layers_to_transform
 
 
-def _rank_alpha(s: _Settings, key: str, rx: _Patterns) -> tuple[int, float]:
+def _rank_alpha(s: _Settings, key: str, rx: Patterns) -> tuple[int, float]:
     """Rank and alpha of one module after rank_pattern / alpha_pattern (peft's get_pattern_key)."""
     r, alpha = s.r, s.alpha
     for pattern, value in s.rank_pattern.items():

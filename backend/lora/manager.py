@@ -14,13 +14,15 @@ the sequences still using it and frees the slot when the last of them releases i
 
 Thread-safety: none. Every call comes from the engine loop thread (the Triton threads hand
 their requests to that loop), so there are no locks, with two exceptions that change no
-state: ``read`` (a disk read, for the preloader's worker thread) and ``needs_read`` (a racy
-hint: at worst an adapter is read twice, or read on the loop thread as a fallback).
+state: ``read`` (a disk read, for the preloader's worker thread; its memo of failed reads has a
+lock of its own) and ``needs_read`` (a racy hint: at worst an adapter is read twice, or read on
+the loop thread as a fallback).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,9 +31,12 @@ from typing import Callable
 
 import torch
 
-from loraplex.exceptions import AdapterNotFound
+from loraplex.exceptions import AdapterError, AdapterNotFound
 from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
 from loraplex.lora.slots import LoraSlots
+
+
+MAX_REMEMBERED_FAILURES = 256  # folders whose failed validation read() remembers (by their files' signature)
 
 
 def files_signature(path: Path) -> tuple | None:
@@ -76,6 +81,8 @@ class AdapterManager:
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
         self._retired: dict[int, _Resident] = {}  # slot -> replaced version still pinned
         self._free: list[int] = list(range(slots.max_loras))
+        self._failures: dict[str, tuple[tuple, str]] = {}  # folder -> (files' signature, error) of a failed read
+        self._failures_lock = threading.Lock()  # read() runs on the preloader's thread and the loop's
         # load latencies for metrics: observe(stage, seconds), stage "disk_read" (any thread) or "host_to_device"
         self.observe: Callable[[str, float], None] = lambda stage, seconds: None
 
@@ -135,14 +142,33 @@ class AdapterManager:
         return str(path)
 
     def read(self, name: str, folder: str) -> tuple[str, tuple | None, LoraAdapter]:
-        """Read and validate an adapter folder (any thread): (the folder, its files' signature, the adapter)."""
+        """Read and validate an adapter folder (any thread): (the folder, its files' signature, the adapter).
+
+        A folder whose unchanged files failed validation before fails again at once, with the same error
+        (the loop thread reads again what the preloader could not: that must not redo the work)."""
         signature = files_signature(Path(folder))  # before reading: a change while reading shows at adopt
+        with self._failures_lock:
+            failed = self._failures.get(folder)
+        if failed is not None and signature is not None and failed[0] == signature:
+            raise AdapterError(failed[1])
         start = time.perf_counter()
-        adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
-        if adapter.magnitudes and self.slots.base_weight is not None:  # DoRA's scales here, off the loop (052)
-            adapter.dora_scales(self.slots.weight_of)
+        try:
+            adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+            if adapter.magnitudes and self.slots.base_weight is not None:  # DoRA's scales here, off the loop (052)
+                adapter.dora_scales(self.slots.weight_of)
+        except AdapterError as exc:
+            if signature is not None:
+                self._remember_failure(folder, signature, str(exc))
+            raise
         self.observe("disk_read", time.perf_counter() - start)
         return folder, signature, adapter
+
+    def _remember_failure(self, folder: str, signature: tuple, message: str) -> None:
+        with self._failures_lock:
+            self._failures.pop(folder, None)
+            self._failures[folder] = (signature, message)
+            while len(self._failures) > MAX_REMEMBERED_FAILURES:
+                del self._failures[next(iter(self._failures))]
 
     def adopt(self, name: str, preloaded: tuple[str, tuple | None, LoraAdapter]) -> None:
         """Put an adapter ``read`` off the loop thread into the host tier, if it is still what ``name`` serves."""
@@ -177,7 +203,11 @@ class AdapterManager:
         if slot is None:
             return None
         start = time.perf_counter()
-        self.slots.load(slot, adapter)
+        try:
+            self.slots.load(slot, adapter)
+        except BaseException:
+            self._free_slot(slot)  # a load that fails keeps no slot
+            raise
         self.observe("host_to_device", time.perf_counter() - start)
         self.device_loads += 1
         rec = _Resident(name=name, slot=slot, digest=adapter.digest)

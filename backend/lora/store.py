@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
-from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter, uses_dora
+from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, MAX_CONFIG_BYTES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter, uses_dora
 from loraplex.lora.shapes import module_shapes
 
 from loraplex.tenancy.tenants import Tenant
@@ -69,7 +69,6 @@ TMP_PREFIX = ".tmp-"
 TENANT_DIR = re.compile(r"[0-9a-f]{32}")
 RETIRED_VERSION_GRACE_SECONDS = 600
 COLLECT_INTERVAL_SECONDS = 60  # the server's collection timer; an upload collects at most this often too
-MAX_CONFIG_BYTES = 64 * 1024
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 

@@ -89,3 +89,39 @@ def test_upload_accepts_dora_and_applies_the_same_checks(cfg, dora, tmp_path):
     bad[_magnitude(bad)] = torch.full_like(bad[_magnitude(bad)], float("inf"))
     with pytest.raises(AdapterStoreError, match="NaN or infinite"):
         store.upload(ACME, "dora2", config.decode(), save(bad), cfg, 16)
+
+
+def _scales_of(cfg, config, tensors):
+    """DoRA's output scales of an adapter over zero base weights (W = 0: the norms are those of scale * B A)."""
+    from loraplex.lora.shapes import module_shapes
+
+    shapes = module_shapes(cfg)
+    adapter = parse_peft_adapter(config, save(tensors), "d", cfg, 16)
+    return adapter.dora_scales(lambda layer, module: torch.zeros(shapes[module][1], shapes[module][0]))
+
+
+@pytest.mark.parametrize(("edit", "error"), [
+    ({"magnitude": 3e38, "b": 1e-6}, "the output scale lora_magnitude_vector / ||W + scale * B A|| is not finite"),
+    ({"b": 0.0}, "(a magnitude out of range, or a row norm of 0)"),
+    ({"a": 1e30, "b": 1e30}, "a row norm of W + scale * B A is not finite"),
+])
+def test_non_finite_dora_scales_are_refused_naming_the_module(cfg, dora, edit, error):
+    config, tensors = dora
+    tensors = dict(tensors)
+    mag = _magnitude(tensors)
+    prefix = mag[: -len("lora_magnitude_vector")]
+    if "magnitude" in edit:
+        tensors[mag] = torch.full_like(tensors[mag], edit["magnitude"])
+    for part in ("a", "b"):
+        if part in edit:
+            name = f"{prefix}lora_{part.upper()}.weight"
+            tensors[name] = torch.full_like(tensors[name], edit[part])
+    with pytest.raises(AdapterError) as info:
+        _scales_of(cfg, config, tensors)
+    assert "DoRA on model.layers.1.self_attn.q_proj" in str(info.value) and error in str(info.value)
+
+
+def test_finite_dora_scales_pass(cfg, dora):
+    config, tensors = dora
+    scales = _scales_of(cfg, config, tensors)
+    assert len(scales) == 14 and all(bool(torch.isfinite(s).all()) for s in scales.values())

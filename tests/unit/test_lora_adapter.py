@@ -17,6 +17,7 @@ from tiny_llama import tiny_config
 from transformers import MistralConfig, Qwen2Config
 
 from loraplex.lora import adapter as adapter_module
+from loraplex.lora import patterns as patterns_module
 from loraplex.lora.adapter import REGEX_BUDGET_SECONDS, CONVERSION_HINT, LoraAdapter, check_safetensors_header, load_peft_adapter, max_adapter_tensors, max_header_bytes
 from loraplex.exceptions import AdapterError
 from loraplex.lora.shapes import MODULES, module_shapes, normalize_target
@@ -483,8 +484,8 @@ def test_catastrophic_regexes_time_out(good, hf_config, tmp_path, field, value, 
                 return getattr(self.compiled, method)(key, timeout=timeout)
             return call
 
-    real_regex = adapter_module.regex
-    monkeypatch.setattr(adapter_module, "regex", SimpleNamespace(compile=Recorded, error=real_regex.error))
+    real_regex = patterns_module.regex
+    monkeypatch.setattr(patterns_module, "regex", SimpleNamespace(compile=Recorded, error=real_regex.error))
     expect_error(folder, hf_config, f"matching the {field} patterns took longer than 0.5 s")
     assert timeouts and all(t is not None and 0 <= t <= REGEX_BUDGET_SECONDS for t in timeouts)
 
@@ -509,8 +510,8 @@ def test_the_regex_budget_is_one_deadline_for_the_whole_load(good, hf_config, tm
                     raise TimeoutError
             return call
 
-    monkeypatch.setattr(adapter_module, "time", clock)
-    monkeypatch.setattr(adapter_module, "regex", SimpleNamespace(compile=TakesAFifth, error=adapter_module.regex.error))
+    monkeypatch.setattr(patterns_module, "time", clock)
+    monkeypatch.setattr(patterns_module, "regex", SimpleNamespace(compile=TakesAFifth, error=patterns_module.regex.error))
     expect_error(folder, hf_config, "matching the target_modules patterns took longer than 0.5 s")
     assert clock.now <= REGEX_BUDGET_SECONDS + 1e-9
 
@@ -627,3 +628,79 @@ def test_peft_rewrites_the_base_weights_exactly_for_the_refused_values(good, bas
     pm = PeftModel.from_pretrained(model, str(folder))
     after = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach()
     assert (not torch.equal(before, after)) == rewrites
+
+
+# regexes are bounded before anything compiles them (decision 060) ------------------------
+
+BOMB = "(?:(?:(?:a{200}){200}){200})"  # 29 characters; regex.compile unrolls it into 8 million atoms
+
+
+@pytest.mark.parametrize("field,value", [
+    ("target_modules", BOMB),
+    ("exclude_modules", BOMB),
+    ("rank_pattern", {BOMB: 2}),
+    ("alpha_pattern", {BOMB: 2}),
+    ("layers_pattern", BOMB),
+    ("target_modules", "a{1000}" * 2),
+    ("target_modules", "(?:(?:(?:(?:(?:(?:(?:(?:(?:(?:(?:ab)+?)+?)+?)+?)+?)+?)+?)+?)+?)+?)+?"),
+])
+def test_regex_bombs_are_refused_before_anything_compiles_them(good, hf_config, tmp_path, field, value, monkeypatch):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, **{field: value})
+
+    def never(*args, **kwargs):
+        raise AssertionError("a refused pattern was compiled")
+
+    monkeypatch.setattr(patterns_module, "regex", SimpleNamespace(compile=never, error=patterns_module.regex.error))
+    monkeypatch.setattr(patterns_module, "re", SimpleNamespace(compile=never, error=patterns_module.re.error))
+    expect_error(folder, hf_config, f"{field} pattern", f"expands past {patterns_module.MAX_REGEX_SIZE} atoms")
+
+
+def test_counted_repeats_nested_too_deep_are_refused(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, target_modules="(?:" * 5 + "ab" + "){2}" * 5)  # 64 atoms, but 5 deep
+    expect_error(folder, hf_config, "target_modules pattern", "nests counted repeats 5 deep; at most 4")
+
+
+@pytest.mark.parametrize("pattern", [r"q_proj{e<=1}", r"(?:.*\.q_proj){i}", r"x\{2}"])
+def test_a_brace_that_is_no_repeat_count_is_refused(good, hf_config, tmp_path, pattern):
+    """The regex package reads fuzzy matching where re (peft) reads a literal '{': no pattern may differ."""
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, target_modules=pattern)
+    expect_error(folder, hf_config, "target_modules pattern", "is not a repeat count")
+
+
+@pytest.mark.parametrize("pattern,size,depth", [
+    ("abc", 3, 0), ("(?:ab){3}", 6, 1), ("a+", 2, 1), ("a*", 1, 0), ("a?", 1, 0), ("[abc]", 3, 0),
+    ("a|bc", 3, 0), ("(?:(?:a){2,}){3}", 9, 2), (BOMB, patterns_module.MAX_REGEX_SIZE + 1, 3),
+])
+def test_expanded_size_unrolls_counts_without_expanding_them(pattern, size, depth):
+    assert patterns_module.expanded_size(pattern) == (size, depth)
+
+
+@pytest.mark.parametrize("pattern", [
+    r".*\.layers\.\d+\.self_attn\.(q|k|v|o)_proj",
+    r"model\.layers\.(?:[0-9]|1[0-5])\.mlp\.(gate|up|down)_proj",
+    r"^(?!.*vision).*\.(q_proj|v_proj)$",
+    r"(?:^|.*\.)(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$",
+    r".*layers\.\d{1,3}\.(self_attn|mlp)\.\w+_proj",
+    r"(?i).*\.Q_PROJ",
+    r"model\.layers\.(0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23)\.self_attn\.[qkvo]_proj",
+])
+def test_real_peft_patterns_pass(pattern):
+    patterns_module.check_pattern("target_modules", pattern, "adapter 't'")
+
+
+def test_a_pattern_peft_cannot_apply_is_refused_naming_the_field(good, hf_config, tmp_path):
+    """peft matches rank_pattern keys inside (.*\\.)?(<key>)$: a global flag there is an error in re, and here."""
+    folder = copy_of(good, tmp_path)
+    edit_config(folder, rank_pattern={"(?i)q_proj": 2})
+    expect_error(folder, hf_config, "rank_pattern pattern is not a valid regex as peft applies it")
+
+
+def test_a_deeply_nested_or_oversized_config_is_refused(good, hf_config, tmp_path):
+    folder = copy_of(good, tmp_path)
+    (folder / CONFIG).write_text("[" * 40_000 + "]" * 40_000)
+    expect_error(folder, hf_config, f"{CONFIG} is 80000 bytes; at most {adapter_module.MAX_CONFIG_BYTES}")
+    (folder / CONFIG).write_text("[" * 30_000 + "]" * 30_000)
+    expect_error(folder, hf_config, f"{CONFIG} nests too deeply")

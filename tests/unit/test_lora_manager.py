@@ -217,6 +217,45 @@ def test_bad_adapter_raises_and_leaves_slots_alone(hf_config, adapters, tmp_path
     assert mgr.resident_names() == ["one", "two"] and mgr.evictions == 0
 
 
+def test_a_failed_read_of_unchanged_files_is_not_done_again(hf_config, adapters, tmp_path, monkeypatch):
+    """The loop reads again what the preloader could not: unchanged files fail at once, with the same error."""
+    import json
+
+    from loraplex.lora import manager as manager_module
+
+    folder = tmp_path / "bad"
+    shutil.copytree(adapters["one"][0], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "r": -1}))
+    reads = []
+    real = manager_module.load_peft_adapter
+    monkeypatch.setattr(manager_module, "load_peft_adapter", lambda *a, **k: reads.append(a[1]) or real(*a, **k))
+    mgr = new_manager(hf_config, adapters, names=())
+    mgr.register("bad", folder)
+    errors = []
+    for call in (lambda: mgr.read("bad", str(folder)), lambda: mgr.acquire("bad"), lambda: mgr.acquire("bad")):
+        with pytest.raises(AdapterError, match="r must be a positive integer") as info:
+            call()
+        errors.append(str(info.value))
+    assert reads == ["bad"] and len(set(errors)) == 1
+    (folder / "adapter_config.json").write_text(json.dumps(config))  # changed: read again, and served
+    assert mgr.acquire("bad") == 0 and reads == ["bad", "bad"]
+
+
+def test_a_slot_load_that_fails_keeps_no_slot(hf_config, adapters, monkeypatch):
+    mgr = new_manager(hf_config, adapters, max_loras=1)
+    real = mgr.slots.load
+
+    def fails(slot, adapter):
+        raise AdapterError("the DoRA output scale is not finite")
+
+    monkeypatch.setattr(mgr.slots, "load", fails)
+    with pytest.raises(AdapterError, match="not finite"):
+        mgr.acquire("one")
+    monkeypatch.setattr(mgr.slots, "load", real)
+    assert mgr.acquire("two") == 0 and mgr.resident_names() == ["two"]
+
+
 def test_reregister_with_changed_content_changes_digest(hf_config, adapters, tmp_path):
     folder = tmp_path / "a"
     shutil.copytree(adapters["one"][0], folder)
