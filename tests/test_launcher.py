@@ -344,7 +344,23 @@ def test_signalled_reads_only_this_run_of_the_log_and_finds_a_line_cut_by_a_read
         f.flush()
         assert not server.signalled()
         f.write(b"al (15) received.\n")
-    assert server.signalled() and server.signalled()
+    assert server.signalled() and server.signalled() and server.crash_signal() is None
+
+
+def test_a_crash_signal_line_is_told_from_a_stop_and_only_whole_lines_count(tmp_path):
+    """Triton logs SIGABRT / SIGSEGV as it logs SIGTERM ("Signal (6) received."): a crash, not someone's stop."""
+    log = tmp_path / "tritonserver.log"
+    log.write_bytes(b"")
+    server = TritonServer(project_root() / "model_repository", log_path=log)
+    with open(log, "ab") as f:
+        f.write(b"I1201 model said: Signal (15) received.\nW1201 x Signal (2) received.\n")  # inside a line
+        f.flush()
+        assert not server.signalled() and server.crash_signal() is None
+        f.write(b"Signal (6) rec")
+        f.flush()
+        assert server.crash_signal() is None
+        f.write(b"eived.\n 0# 0x00005572A424352D in tritonserver\nSignal (11) received.\n")
+    assert server.crash_signal() == signal.SIGABRT and not server.signalled()  # the first crash line
 
 
 # ---------------------------------------------------------------- demo builder

@@ -2,8 +2,9 @@
 
 Builds the offline demo model on first use (unless ``--model-dir`` is given), starts
 ``tritonserver`` in its own process group, waits until it is ready, prints how to call
-it, streams its log, restarts it if its Python-backend stub dies, and stops it cleanly
-on Ctrl-C or SIGTERM (repeats are ignored; the stop always finishes).
+it, streams its log, restarts it if its Python-backend stub dies or it dies by a signal it was
+not asked to stop with (within a restart budget), and stops it cleanly on Ctrl-C or SIGTERM
+(repeats are ignored; the stop always finishes).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from loraplex.openai.process import GatewayError, GatewayProcess
 from loraplex.launch.processes import process_running
+from loraplex.launch.restarts import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RESTART, RestartBudget,
+                                      after_exit, signal_name)
 from loraplex.tenancy.tenants import TENANTS_FILE_ENV, load_tenants_file, new_key
 from loraplex.exceptions import TenantsFileError
 from loraplex.launch.tritonserver import (ADMIN_HEADER, RESTRICTED_APIS, TritonServer, TritonServerError, cache_dir,
@@ -32,6 +36,9 @@ LOOPBACK = "127.0.0.1"
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 READY, STOP, EXITED, STOPPING, DEAD_STUB = "ready", "stop", "exited", "stopping", "dead stub"  # why a wait ended
+CRASHED = "crashed"  # it died, or logged it is dying, by a signal it was not asked to stop with (restarts.after_exit)
+SETTLE_S = 2.0  # how long a server whose HTTP port closed without a logged stop signal gets to show why
+CRASH_GRACE_S = 10.0  # how long a crashing server gets to write its stack trace and die before its group is killed
 
 
 def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
@@ -191,8 +198,9 @@ class _StopRequest:
 def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: float) -> str:
     """Wait until the server is READY, a stop is requested (STOP) or someone else is stopping it (STOPPING).
 
-    Raises if it exits or is not ready in time. STOPPING matters when that someone was
-    faster than our readiness probe: a server stopped with streams open can hang on exit.
+    Raises if it exits with a status or is not ready in time; CRASHED if it dies by a signal
+    it was not asked to stop with. STOPPING matters when that someone was faster than our
+    readiness probe: a server stopped with streams open can hang on exit.
     """
     deadline = time.monotonic() + timeout
     reason = READY
@@ -201,6 +209,10 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
             follower.pump()
         if stop or server.signalled():
             reason = STOP if stop else STOPPING
+            break
+        if server.crash_signal() is not None or (
+                server.proc.poll() is not None and after_exit(server.proc.returncode, server.signalled()) == RESTART):
+            reason = CRASHED
             break
         if server.proc.poll() is not None or time.monotonic() > deadline:
             if follower:
@@ -218,25 +230,30 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
            gateway: GatewayProcess | None = None) -> tuple[str, list[int]]:
     """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs.
 
-    A gateway that died meanwhile is restarted (it holds no state; Triton is not touched).
+    The stubs are looked at before the server, so a stub that died before the server exited
+    is among the dead of an EXITED. A gateway that died meanwhile is restarted (it holds no
+    state; Triton is not touched).
     """
     stubs, probed = server.stubs(include_dead=True), time.monotonic()  # a stub killed before we look is a zombie
     reason, dead = STOP, []
     while not stop:
+        dead = [pid for pid in stubs if not process_running(pid)]
         if server.proc.poll() is not None:
             reason = EXITED
             break
-        dead = [pid for pid in stubs if not process_running(pid)]
         if dead:
             reason = DEAD_STUB
             break
         if server.signalled():
             reason = STOPPING
             break
+        if server.crash_signal() is not None:
+            reason = CRASHED
+            break
         if time.monotonic() - probed > 1.0:
             probed = time.monotonic()
             if not server.http_listening():
-                reason = STOPPING
+                reason = _port_closed(server)
                 break
         if gateway is not None:
             code = gateway.restart_if_dead()
@@ -249,6 +266,47 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
     if follower:
         follower.pump()
     return reason, dead
+
+
+def _port_closed(server: TritonServer) -> str:
+    """Why the HTTP port closed: a stop (it logged the signal) or an exit (a crash) within SETTLE_S; else STOPPING.
+
+    Triton closes the port first thing when told to stop; a crashing process closes it as it dies.
+    """
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        if server.signalled():
+            return STOPPING
+        if server.crash_signal() is not None:
+            return CRASHED
+        if server.proc.poll() is not None:
+            return EXITED
+        time.sleep(0.05)
+    return STOPPING
+
+
+def _fault(server: TritonServer, reason: str) -> str:
+    """``reason`` once its cause is known: a dead stub, a crash or an exit after a logged stop signal is someone's
+    stop (STOPPING); an exit by a signal of its own is CRASHED (restarts.after_exit)."""
+    if reason in (EXITED, DEAD_STUB, CRASHED) and server.signalled():
+        return STOPPING  # the stop unloads the model: its stubs exit, and Triton may crash past its exit timeout
+    if reason == EXITED and after_exit(server.proc.returncode, False) == RESTART:
+        return CRASHED
+    return reason
+
+
+def _crash_name(server: TritonServer) -> str:
+    """The signal a crashing server dies by: the one it logged (SIGABRT, SIGSEGV), else the one it died of.
+
+    A server that logged its crash gets CRASH_GRACE_S to write its stack trace and die on its own."""
+    logged = server.crash_signal()
+    if logged is not None:
+        try:
+            server.proc.wait(timeout=CRASH_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass  # stuck in its crash handler: killed with its group
+        return signal_name(-logged)
+    return signal_name(server.proc.returncode)
 
 
 def _announce(server: TritonServer, run: int, stop: _StopRequest, example: dict, gateway: GatewayProcess | None) -> bool:
@@ -268,20 +326,23 @@ def _announce(server: TritonServer, run: int, stop: _StopRequest, example: dict,
     return True
 
 
-def serve(server: TritonServer, stop: _StopRequest, example: dict,
-          quiet: bool = False, gateway: GatewayProcess | None = None) -> int:
-    """Run the server until a stop is requested (0) or it stops on its own (1), restarting it whenever a stub dies.
+def serve(server: TritonServer, stop: _StopRequest, example: dict, quiet: bool = False,
+          gateway: GatewayProcess | None = None, budget: RestartBudget | None = None) -> int:
+    """Run the server until a stop is requested (0) or it stops on its own (1), restarting it on a fault.
 
     Triton 2.51 never restarts the stub of a decoupled model: after it dies, the server
     stays live and ready, every new request fails with "Stub process ... is not
     healthy" and in-flight streams hang until the server exits. So a dead stub costs a
     restart of tritonserver on the same ports; in-flight streams end with UNAVAILABLE.
-    A server told to stop by someone else (it logs the signal and closes its HTTP port) gets
-    ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
+    A server that dies by a signal it was not asked to stop with (an abort after a stub
+    died, a segfault, the OOM killer) is restarted the same way (restarts.after_exit).
+    Restarts past ``budget`` (default: 5 in 600 s) end the launcher (1), so a crash loop
+    cannot spin. A server told to stop by someone else (it logs the signal and closes its
+    HTTP port) gets ``--exit-timeout-secs`` + 5 s to exit, as its own exit can hang after the timeout.
     The OpenAI gateway, if any, starts once Triton is first ready and outlives Triton restarts.
     ``example`` (usage_text's lora_name, question, prompt) is what the printed examples send.
     """
-    follower = None
+    follower, budget = None, budget or RestartBudget()
     for run in itertools.count():
         if stop:
             return 0
@@ -293,6 +354,7 @@ def serve(server: TritonServer, stop: _StopRequest, example: dict,
             if not _announce(server, run, stop, example, gateway):
                 return 0
             reason, dead = _watch(server, follower, stop, gateway)
+        reason = _fault(server, reason)
         if reason == STOP:
             return 0
         if reason == STOPPING:
@@ -301,9 +363,15 @@ def serve(server: TritonServer, stop: _StopRequest, example: dict,
         if reason in (STOPPING, EXITED):
             print(f"loraplex-serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
             return 1
-        print(f"loraplex-serve: Python-backend stub {', '.join(map(str, dead))} died (Triton does not restart it); "
-              "restarting tritonserver", file=sys.stderr, flush=True)
+        what = " and ".join(
+            ([f"Python-backend stub {', '.join(map(str, dead))} died (Triton does not restart it)"] if dead else [])
+            + ([f"tritonserver died by {_crash_name(server)} (it was not asked to stop)"] if reason == CRASHED else []))
         server.stop(grace=0)  # nothing the dead stub held can finish
+        if not budget.take():
+            print(f"loraplex-serve: {what}; {budget.spent_text()}; last log lines:\n{server.log_tail(4000)}",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"loraplex-serve: {what}; restarting tritonserver", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds requests in flight get to finish once the server is stopped (tritonserver "
                          "--exit-timeout-secs); what is left then ends with UNAVAILABLE, and the server's process "
                          "group is killed exit-timeout + 5 s after the stop signal")
+    ap.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                    help="restarts of tritonserver allowed within --restart-window (after a Python-backend stub "
+                         "died, or tritonserver died by a signal such as SIGABRT, SIGSEGV or the OOM killer's "
+                         "SIGKILL); one more and loraplex-serve exits 1 naming this budget; 0 = never restart")
+    ap.add_argument("--restart-window", type=float, default=DEFAULT_RESTART_WINDOW_S,
+                    help="seconds of the sliding window --max-restarts counts over")
     ap.add_argument("--quiet", action="store_true", help="do not stream the server log")
     return ap
 
@@ -418,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["new-key"]:
         return print_new_key()
     args = build_parser().parse_args(argv)
+    try:
+        budget = RestartBudget(args.max_restarts, args.restart_window)
+    except ValueError as exc:
+        print(f"loraplex-serve: {exc}", file=sys.stderr)
+        return 2
     if args.engine_config is not None:
         from loraplex.config import EngineConfig
 
@@ -477,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     with _StopRequest() as stop:
         try:
-            rc = serve(server, stop, example, quiet=args.quiet, gateway=gateway)
+            rc = serve(server, stop, example, quiet=args.quiet, gateway=gateway, budget=budget)
         except (TritonServerError, GatewayError) as exc:
             print(f"\nloraplex-serve: {exc}", file=sys.stderr)
         finally:

@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -236,7 +237,11 @@ def _tail(path: Path, max_bytes: int = 8000) -> str:
 
 
 _PORT_IN_USE = ("already in use",)
-_SIGNAL_LOGGED = b"Signal ("  # tritonserver's line on SIGINT / SIGTERM
+# tritonserver's own line, on stdout for SIGINT / SIGTERM (a stop) and on stderr for SIGSEGV / SIGABRT (a crash,
+# followed by a stack trace and the same signal's default action): src/triton_signal.cc
+_SIGNAL_LINE = re.compile(rb"Signal \((\d+)\) received\.\r?")
+STOP_SIGNALS_LOGGED = frozenset({int(signal.SIGINT), int(signal.SIGTERM)})
+_MAX_SIGNAL_LINE = 32  # bytes; a longer partial line cannot be one
 
 @dataclass
 class TritonServer:
@@ -274,6 +279,8 @@ class TritonServer:
     _stopped: bool = field(default=False, init=False, repr=False)
     _log_scanned: int = field(default=0, init=False, repr=False)
     _signalled: bool = field(default=False, init=False, repr=False)
+    _crash_signal: int | None = field(default=None, init=False, repr=False)
+    _log_partial: bytes = field(default=b"", init=False, repr=False)
 
     # ---- addresses -------------------------------------------------------------
     @property
@@ -361,7 +368,8 @@ class TritonServer:
         self.stop_file.unlink(missing_ok=True)  # a previous run's
         env = server_env(self.install, {**(self.env or {}), STOP_FILE_ENV: str(self.stop_file)})
         self._log_file = open(self.log_path, "ab", buffering=0)
-        self._log_scanned, self._signalled = self._log_file.tell(), False
+        self._log_scanned, self._signalled, self._crash_signal = self._log_file.tell(), False, None
+        self._log_partial = b""
         shown = " ".join(cmd).replace(self.admin_key, "<admin key>") if self.admin_key else " ".join(cmd)
         self._log_file.write(("$ " + shown + "\n").encode())
         self.proc = start_in_session(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
@@ -399,22 +407,41 @@ class TritonServer:
             return True
 
     def signalled(self) -> bool:
-        """Whether this run of tritonserver has logged a stop signal (it prints "Signal (15) received.").
+        """Whether this run of tritonserver has logged a stop signal (a line "Signal (15) received.", or 2).
 
         Tells that someone else is stopping it even before we saw it ready, when its HTTP
         port (open only while it serves) has nothing to say. Reads only what is new.
         """
+        self._scan_log()
+        return self._signalled
+
+    def crash_signal(self) -> int | None:
+        """The signal this run of tritonserver logged it is crashing with ("Signal (6) received.": SIGABRT,
+        SIGSEGV), if any; it then prints a stack trace and dies by that signal."""
+        self._scan_log()
+        return self._crash_signal
+
+    def _scan_log(self) -> None:
+        """Read what this run appended to the log since the last look; note each whole "Signal (N)" line."""
         if self._signalled or self.log_path is None:
-            return self._signalled
+            return
         try:
             with open(self.log_path, "rb") as f:
-                f.seek(max(0, self._log_scanned - len(_SIGNAL_LOGGED) + 1))  # a line the last read cut in two
+                f.seek(self._log_scanned)
                 new = f.read()
                 self._log_scanned = f.tell()
         except OSError:
-            return False
-        self._signalled = _SIGNAL_LOGGED in new
-        return self._signalled
+            return
+        *lines, partial = (self._log_partial + new).split(b"\n")
+        self._log_partial = partial if len(partial) <= _MAX_SIGNAL_LINE else b"-"  # "-": a long line, not one
+        for line in lines:
+            found = _SIGNAL_LINE.fullmatch(line)
+            if found is None:
+                continue
+            if int(found.group(1)) in STOP_SIGNALS_LOGGED:
+                self._signalled = True
+            elif self._crash_signal is None:
+                self._crash_signal = int(found.group(1))
 
     def log_tail(self, max_bytes: int = 8000) -> str:
         """The last part of the server log."""
