@@ -27,14 +27,17 @@ UNAVAILABLE_TEXTS = (
 
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header's seconds on these statuses (OpenAI's SDKs honour it)
 MAX_CLIENT_TEXT = 4096  # lora_llm's messages are cut at 2,000 characters; nothing longer is its own
-_ADDRESSES_AND_PATHS = re.compile(
-    r"[a-z][a-z0-9+.-]*://\S+"  # URLs
-    r"|\b(?:ipv4|ipv6|unix|dns):\S+"  # gRPC's peer names
-    r"|\[[0-9a-f:]*:[0-9a-f:]*\](?::\d+)?"  # [v6]:port
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # v4[:port]
-    r"|\b[a-z][\w.-]*:\d{2,5}\b(?!\.\d)"  # host:port
-    r"|(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*",  # absolute paths
-    re.IGNORECASE)
+# What is cut out of a message: each pattern is linear (a match may start only where its run of characters
+# starts, so no run is rescanned from each of its characters); ``at`` marks where a cut begins in its run, ``to``
+# where it ends when the match stops short of it (a port: the run after it is the next match's).
+_ADDRESSES_AND_PATHS = tuple(re.compile(pattern, re.IGNORECASE) for pattern in (
+    r"(?<![a-z0-9+.-])[0-9+.-]*+(?P<at>)[a-z][a-z0-9+.-]*+://\S+",  # URLs, from the scheme's first letter
+    r"\b(?:ipv4|ipv6|unix|dns):\S+",  # gRPC's peer names
+    r"\[(?=[0-9a-f]*+:)[0-9a-f:]*+\](?::\d+)?",  # [v6]:port
+    r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b",  # v4[:port]
+    r"(?<![\w.-])(?:[.-]|[^\Wa-z]\w*+)*+(?P<at>)[a-z][\w.-]*+(?=:\d{2,5}\b(?!\.\d)(?P<to>))",  # host:port
+    r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*",  # absolute paths
+))
 _DEBUG_MARKS = ("Traceback (most recent call last)", 'File "', "debug_error_string", "grpc_status",
                 "created_time", "grpc_message")
 
@@ -43,7 +46,18 @@ def client_text(message: str) -> str | None:
     """``message`` fit for a client (addresses and paths cut out); None for a traceback or gRPC debug text."""
     if len(message) > MAX_CLIENT_TEXT or any(mark in message for mark in _DEBUG_MARKS):
         return None
-    return _ADDRESSES_AND_PATHS.sub("<redacted>", message)
+    spans = sorted((m.start("at") if "at" in m.re.groupindex else m.start(),
+                    m.end("to") if "to" in m.re.groupindex else m.end())
+                   for pattern in _ADDRESSES_AND_PATHS for m in pattern.finditer(message))
+    kept, last = [], 0
+    for start, end in spans:  # overlapping cuts are one cut
+        if end <= last:
+            continue
+        if start > last or not kept:
+            kept.append(message[last:start])
+            kept.append("<redacted>")
+        last = max(last, end)
+    return "".join(kept) + message[last:]
 
 
 class OpenAIError(Exception):

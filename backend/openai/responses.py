@@ -27,11 +27,12 @@ class ChoiceDelta:
 
 @dataclass
 class Tally:
-    """Per choice: text, logprobs and finish reason so far; per prompt: token counts."""
+    """Per choice: text (kept in pieces: joining once is linear), logprobs and finish reason so far; per prompt:
+    token counts."""
 
     num_prompts: int
     n: int
-    texts: list[str] = field(default_factory=list)
+    pieces: list[list[str]] = field(default_factory=list)
     logprobs: list[list[dict]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
@@ -39,7 +40,7 @@ class Tally:
 
     def __post_init__(self):
         k = self.num_prompts * self.n
-        self.texts, self.logprobs, self.finish = [""] * k, [[] for _ in range(k)], [None] * k
+        self.pieces, self.logprobs, self.finish = [[] for _ in range(k)], [[] for _ in range(k)], [None] * k
         self.prompt_tokens, self.completion_tokens = [0] * self.num_prompts, [0] * k
 
     def add(self, prompt: int, delta: Delta) -> list[ChoiceDelta]:
@@ -54,12 +55,18 @@ class Tally:
             new_finish = reason if reason is not None and self.finish[k] is None else None
             if not text and not entries and new_finish is None:
                 continue
-            self.texts[k] += text
+            if text:
+                self.pieces[k].append(text)
             self.logprobs[k] += entries
             if new_finish is not None:
                 self.finish[k] = new_finish
             changed.append(ChoiceDelta(k, text, entries, new_finish))
         return changed
+
+    @property
+    def texts(self) -> list[str]:
+        """Each choice's whole text so far."""
+        return ["".join(p) for p in self.pieces]
 
     def usage(self) -> dict[str, int]:
         """OpenAI's usage for the whole request."""

@@ -10,27 +10,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.openai.tools import OPEN_TAG, ToolCall, forced_call, held_back, parse_tool_calls
+from loraplex.openai.tools import OPEN_TAG, Holding, ToolCall, forced_call, parse_tool_calls
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """One streamed choice: its text not sent yet (in pieces, joined when some of it is sent) and its holding."""
+
+    unsent: list[str] = field(default_factory=list)
+    sent: int = 0
+    holding: Holding = field(default_factory=Holding)
 
 
 @dataclass
 class ToolOutput:
-    """Tool-call parsing for one request: ``choice`` is "auto" or forced ("required" or a tool's name)."""
+    """Tool-call parsing for one request: ``choice`` is "auto" or forced ("required" or a tool's name).
+
+    Streamed, each piece costs time linear in it: what may be sent is updated per piece (tools.Holding), and
+    the held text is joined only when part of it goes out or the choice ends.
+    """
 
     choice: str
     names: set[str]
-    texts: dict[int, str] = field(default_factory=dict)  # streamed: each choice's text so far
-    sent: dict[int, int] = field(default_factory=dict)  # streamed: characters of it sent as content
+    streams: dict[int, _Streamed] = field(default_factory=dict)
 
     def parse(self, text: str, emitted: int = 0) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a choice's text past its first ``emitted`` characters (those went out as content)."""
+        """(content, calls) of a choice's ``text`` (what was not sent yet) when its first ``emitted`` characters
+        already went out as content."""
         if self.choice != "auto":
             call = forced_call(text, self.names)
             return ("", [call]) if call is not None else (text, [])
-        tail = text[emitted:]
-        if emitted and OPEN_TAG not in tail:  # a bare JSON call is the whole text or nothing
-            return tail, []
-        return parse_tool_calls(tail, self.names)
+        if emitted and OPEN_TAG not in text:  # a bare JSON call is the whole text or nothing
+            return text, []
+        return parse_tool_calls(text, self.names)
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The non-streamed ``message`` and finish reason of a choice that produced ``text``."""
@@ -42,17 +54,25 @@ class ToolOutput:
 
     def stream(self, index: int, text: str, finish: str | None) -> list[tuple[dict, str | None]]:
         """The chunk deltas (with their finish reasons) for ``text`` just added to choice ``index``."""
-        so_far = self.texts[index] = self.texts.get(index, "") + text
-        sent = self.sent.get(index, 0)
+        state = self.streams.setdefault(index, _Streamed())
+        if text:
+            state.unsent.append(text)
+        if self.choice == "auto":
+            held = state.holding.add(text)
+        else:  # a forced call is sent whole when the choice ends
+            state.holding.size += len(text)
+            held = state.holding.size
         if finish is None:
-            ready = len(so_far) - (len(so_far) if self.choice != "auto" else held_back(so_far))
-            if ready <= sent:
+            ready = state.holding.size - held
+            if ready <= state.sent:
                 return []
-            self.sent[index] = ready
-            return [({"content": so_far[sent:ready]}, None)]
-        content, calls = self.parse(so_far, sent)
+            unsent = "".join(state.unsent)
+            out, state.unsent = unsent[:ready - state.sent], [unsent[ready - state.sent:]]
+            state.sent = ready
+            return [({"content": out}, None)]
+        rest = "".join(state.unsent)
+        content, calls = self.parse(rest, state.sent)
         if not calls:
-            rest = so_far[sent:]
             return [({"content": rest} if rest else {}, finish)]
         out = [({"content": content}, None)] if content else []
         out.append(({"tool_calls": [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]},

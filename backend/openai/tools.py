@@ -26,7 +26,6 @@ FALLBACK_PROMPT = (
     '{{"name": <function name>, "arguments": <object of its arguments>}} and nothing else; otherwise reply '
     "normally.\nFunctions (JSON schema of each one's arguments in \"parameters\"):\n{functions}"
 )
-_HERMES = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -191,17 +190,30 @@ def _json(text: str) -> Any:
         return None
 
 
+def hermes_blocks(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, stripped inside) of each ``<tool_call>...</tool_call>`` block (an unclosed last one runs to the
+    end): one left-to-right pass of ``str.find``."""
+    blocks, at = [], text.find(OPEN_TAG)
+    while at >= 0:
+        inner = at + len(OPEN_TAG)
+        close = text.find(CLOSE_TAG, inner)
+        end = close + len(CLOSE_TAG) if close >= 0 else len(text)
+        blocks.append((at, end, text[inner:close if close >= 0 else len(text)].strip()))
+        at = text.find(OPEN_TAG, end)
+    return blocks
+
+
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a model's output: Hermes ``<tool_call>`` blocks (an unclosed last one too), else the
     whole text as one bare JSON call or a list of them. Text that is no call stays content."""
     if OPEN_TAG in text:
         calls, kept, last = [], [], 0
-        for match in _HERMES.finditer(text):
-            call = _as_call(_json(match.group(1)), names)
+        for start, end, inner in hermes_blocks(text):
+            call = _as_call(_json(inner), names)
             if call is None:
                 continue
-            kept.append(text[last:match.start()])
-            last = match.end()
+            kept.append(text[last:start])
+            last = end
             calls.append(call)
         if calls:
             kept.append(text[last:])
@@ -220,16 +232,37 @@ def forced_call(text: str, names: set[str]) -> ToolCall | None:
     return _as_call(_json(text), names)
 
 
+@dataclass(slots=True)
+class Holding:
+    """held_back's rule over an output that grows piece by piece: each ``add`` costs O(len(piece))."""
+
+    size: int = 0
+    lead: str = ""  # the output's first non-space character ("" while there is none)
+    tag_at: int = -1  # where its first <tool_call> starts (-1: none yet)
+    tail: str = ""  # its last len(OPEN_TAG) - 1 characters (a tag may straddle two pieces)
+
+    def add(self, piece: str) -> int:
+        """Absorb ``piece``; how many characters at the end of the output so far must be held back."""
+        if not self.lead:
+            self.lead = piece.lstrip()[:1]
+        if self.tag_at < 0:
+            window = self.tail + piece
+            at = window.find(OPEN_TAG)
+            if at >= 0:
+                self.tag_at = self.size - len(self.tail) + at
+            self.tail = window[-(len(OPEN_TAG) - 1):]
+        self.size += len(piece)
+        if self.lead in ("", "{", "["):
+            return self.size
+        if self.tag_at >= 0:
+            return self.size - self.tag_at
+        for k in range(min(len(OPEN_TAG) - 1, len(self.tail)), 0, -1):
+            if self.tail.endswith(OPEN_TAG[:k]):
+                return k
+        return 0
+
+
 def held_back(text: str) -> int:
     """How much of ``text``'s end a stream of ``auto`` output must hold: from the first ``<tool_call>`` (or a
     prefix of it at the end) on, or all of it while it may be one bare JSON call (it starts with '{' or '[')."""
-    stripped = text.lstrip()
-    if not stripped or stripped[0] in "{[":
-        return len(text)
-    at = text.find(OPEN_TAG)
-    if at >= 0:
-        return len(text) - at
-    for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN_TAG[:k]):
-            return k
-    return 0
+    return Holding().add(text)

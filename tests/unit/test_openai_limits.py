@@ -386,7 +386,7 @@ def test_an_upload_with_a_bad_key_is_401_before_its_body_is_read(served):
     sock = raw(url)
     sock.sendall(UPLOAD_HEAD + f"Authorization: Bearer {BAD_KEY}\r\nContent-Length: 100000\r\n\r\n".encode())
     sock.settimeout(5)
-    answer = sock.recv(65536)  # none of the body was sent
+    answer = whole_answer(sock, sock.recv(65536))  # none of the body was sent
     sock.close()
     assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer
 
@@ -478,6 +478,8 @@ def test_grpc_details_never_reach_the_client():
     ("cannot read /var/lib/loraplex/adapters/acme/a/adapter_config.json", "cannot read <redacted>"),
     ("Triton at triton.internal:8001 or http://10.0.0.2:8000/v2 failed", "Triton at <redacted> or <redacted> failed"),
     ("n is 17 but at most 16 is allowed (max_n)", "n is 17 but at most 16 is allowed (max_n)"),
+    ("at a:8001-b:80 and [::1]:8001 via 1http://x/y", "at <redacted>-<redacted> and <redacted> via 1<redacted>"),
+    ("file /srv/a/b.json, x-ipv4:10.0.0.1:80 done", "file <redacted>, x-<redacted> done"),
     ("tenant quota exceeded: tokens_per_minute=30 at 12:30; retry later",
      "tenant quota exceeded: tokens_per_minute=30 at 12:30; retry later"),
 ])

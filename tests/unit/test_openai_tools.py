@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from loraplex.openai.errors import OpenAIError
 from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.openai.tool_output import ToolOutput
-from loraplex.openai.tools import (MAX_TOOLS, ToolError, call_schema, check_tools, chosen, held_back,
+from loraplex.openai.tools import (MAX_TOOLS, Holding, ToolError, call_schema, check_tools, chosen, held_back,
+                                   hermes_blocks,
                                    parse_tool_calls, template_messages)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -153,3 +154,17 @@ def test_fallback_prompt_and_history_for_a_template_without_tools():
     native = template_messages(history, tools, template_reads_tools=True)
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2} and native[3]["role"] == "tool"
     assert native[0] == history[0]
+
+
+def test_holding_piece_by_piece_equals_held_back_of_the_whole():
+    for text in ("plain text <tool_c", "a <tool_call>{", "  {", "", "   ", "x <tool_call>1</tool_call> y", "no tag here"):
+        for step in (1, 2, 5):
+            holding = Holding()
+            held = [holding.add(text[i:i + step]) for i in range(0, len(text), step)] or [holding.add("")]
+            assert held[-1] == held_back(text), (text, step)
+
+
+def test_hermes_blocks_are_found_by_one_pass():
+    text = "a <tool_call> {1} </tool_call> b <tool_call>\n{2}  "
+    assert hermes_blocks(text) == [(2, 30, "{1}"), (33, len(text), "{2}")]
+    assert hermes_blocks("<tool_call>x" + " " * 10 + "y") == [(0, 23, "x" + " " * 10 + "y")]
