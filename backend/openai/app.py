@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +25,7 @@ from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from loraplex.openai.generation import Generation
 from loraplex.openai.intake import Intake, on_close, request_id
-from loraplex.openai.limits import MAX_MODELS, Limits
+from loraplex.openai.limits import AUTH_FIRST_BYTES, MAX_MODELS, Limits
 from loraplex.openai.lora_api import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin, not_enabled,
                                       read_adapter_files, resolve_under, upload_parts, upload_reader)
 from loraplex.openai.offload import RenderPool
@@ -82,10 +82,15 @@ def _validation_message(errors: list) -> tuple[str, str | None]:
     return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
 
 
-async def parse_body(request: Request, model: type[Body], limits: Limits) -> Body:
-    """The request's JSON body as ``model``, checked against ``limits``; 400 naming the first bad field."""
+async def parse_body(request: Request, model: type[Body], limits: Limits,
+                     authenticate: Callable[[], Awaitable[None]] | None = None) -> Body:
+    """The request's JSON body as ``model``, checked against ``limits``; 400 naming the first bad field. A body
+    over AUTH_FIRST_BYTES is parsed only after ``authenticate()`` passed (the parse runs on the event loop)."""
+    raw = await request.body()
+    if authenticate is not None and len(raw) > AUTH_FIRST_BYTES:
+        await authenticate()
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except (ValueError, RecursionError):
         raise bad_request("the body is not valid JSON") from None
     if not isinstance(data, dict):
@@ -141,6 +146,11 @@ class Gateway:
         data += [{"id": name, **card, "root": name, "parent": base} for name in names]
         return {"object": "list", "data": data, "has_more": cursor is not None,
                 "last_id": names[-1] if names else None}
+
+    async def parse(self, request: Request, model: type[Body]) -> Body:
+        """A tenant route's JSON body as ``model`` (parse_body; a large one after the caller's key passed)."""
+        return await parse_body(request, model, self.settings.limits,
+                                lambda: self.check_model(None, identity_headers(request)))
 
     async def check_model(self, model: str | None, headers: dict) -> None:
         """Authenticate the caller with Triton (lora_adapters' list); 404 unless ``model`` is one it may use."""
@@ -294,7 +304,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest, limits)
+        body = await gw.parse(request, CompletionRequest)
         prompts, params = body.prompts(), body.sampling_parameters()
         limits.check_choices(len(prompts), body.n)
         top = body.logprobs
@@ -327,7 +337,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
         if renderer is None:
             raise bad_request("this gateway has no tokenizer for chat templates (start it with --model-dir)",
                               "messages")
-        body = await parse_body(request, ChatCompletionRequest, limits)
+        body = await gw.parse(request, ChatCompletionRequest)
         params = body.sampling_parameters(None)
         limits.check_choices(1, body.n)
         tools, choice = body.tool_plan()
@@ -358,7 +368,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        body = await parse_body(request, TokenizeRequest, limits)
+        body = await gw.parse(request, TokenizeRequest)
         tools = body.checked_tools()
         await gw.check_model(body.model, identity_headers(request))
         ids, strs = await gw.pool.run(tokenize, tokenizer_needed(), body, tools)
@@ -367,7 +377,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
-        body = await parse_body(request, DetokenizeRequest, limits)
+        body = await gw.parse(request, DetokenizeRequest)
         await gw.check_model(body.model, identity_headers(request))
         return {"prompt": await gw.pool.run(detokenize, tokenizer_needed(), body.tokens)}
 

@@ -1,7 +1,8 @@
 """What one request may cost the gateway: body bytes, messages, choices, and the prompt-rendering pool.
 
-Every bound is checked before the work it bounds: the body while it is read, the message and
-prompt counts before their items are validated, the choices before any stream opens, and the
+Every bound is checked before the work it bounds: the body while it is read (a large one parsed
+only after the caller's key passed), the message, prompt, stop and logit_bias counts before their
+items are validated, the choices before any stream opens, and the
 rendering pool before a job is queued (see docs/openai.md, "Limits").
 """
 
@@ -18,6 +19,10 @@ RENDER_THREADS = 4  # threads that render chat templates and count prompt tokens
 RENDER_TIMEOUT_S = 5.0  # a render job's bound, queueing included; the demo renders 2 MiB in ~20 ms
 MAX_UPLOAD_BYTES = 48 * 1024 * 1024  # an adapter's files (POST /v1/lora_adapters, a lora_path): one gRPC message
 MAX_MODELS = 10_000  # adapters /v1/models lists without ?limit= (more: has_more and ?after=)
+AUTH_FIRST_BYTES = 64 * 1024  # a JSON body over this is parsed only after the caller's key passed (one Triton call)
+MAX_STOP_STRINGS = 64  # lora_llm's bound (loraplex.engine.request), counted here before the items are validated
+MAX_STOP_TOKEN_IDS = 1024  # lora_llm's bound (loraplex.engine.request)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries counted before they are validated (any is refused: not supported)
 RENDER_QUEUE_PER_THREAD = 16  # jobs admitted per thread (running or queued); beyond: 503 at once
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from loraplex.openai.errors import bad_request
-from loraplex.openai.limits import Limits
+from loraplex.openai.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Limits
 from loraplex.openai.template_inputs import template_variables
 from loraplex.openai.tools import MAX_TOOLS, ToolError, call_schema, check_tools, chosen
 
@@ -22,8 +22,8 @@ DEFAULT_LIMITS = Limits()
 
 
 def _bounded_list(value: Any, bound: int, what: str) -> Any:
-    """The value unchanged, unless it is a list longer than bound (refused, naming what it counts)."""
-    if isinstance(value, list) and len(value) > bound:
+    """The value unchanged, unless it is a list (or an object) longer than bound (refused, naming what it counts)."""
+    if isinstance(value, (list, dict)) and len(value) > bound:
         raise _refused(f"{len(value)} {what}; at most {bound} per request")
     return value
 
@@ -76,6 +76,24 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, value: Any) -> Any:
+        """Stop strings are counted before they are validated."""
+        return _bounded_list(value, MAX_STOP_STRINGS, "stop strings")
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _bounded_stop_ids(cls, value: Any) -> Any:
+        """Stop token ids are counted before they are validated."""
+        return _bounded_list(value, MAX_STOP_TOKEN_IDS, "stop_token_ids")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bounded_logit_bias(cls, value: Any) -> Any:
+        """logit_bias entries are counted before they are validated."""
+        return _bounded_list(value, MAX_LOGIT_BIAS, "logit_bias entries")
 
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""

@@ -203,6 +203,19 @@ def test_bodies_within_the_bound_are_served_and_bad_json_is_400(served):
         "the body must be a JSON object"
 
 
+def test_a_large_body_is_parsed_only_after_the_callers_key_passed(served, monkeypatch):
+    import loraplex.openai.app as app_module
+
+    url, _ = served
+    monkeypatch.setattr(app_module, "AUTH_FIRST_BYTES", 1024)
+    bad = {"Authorization": f"Bearer {BAD_KEY}"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        large = requests.post(f"{url}{path}", data="[" * 2048, headers=bad, timeout=30)
+        assert error_of(large, 401, None, "invalid_api_key")  # not "not valid JSON": never parsed
+        small = requests.post(f"{url}{path}", data="[" * 512, headers=bad, timeout=30)
+        assert error_of(small, 400)["message"] == "the body is not valid JSON"  # small: parsed, as before
+
+
 # ---- counts ----------------------------------------------------------------------------------------------
 def test_messages_and_prompts_are_counted_before_their_items_are_validated(served):
     url, _ = served
@@ -211,6 +224,10 @@ def test_messages_and_prompts_are_counted_before_their_items_are_validated(serve
     assert error["message"] == f"messages: {LIMITS.max_messages + 1} messages; at most {LIMITS.max_messages} per request"
     error = error_of(post(url, "/v1/completions", {"prompt": ["a"] * LIMITS.max_choices + [1]}), 400, "prompt")
     assert error["message"].startswith(f"prompt: {LIMITS.max_choices + 1} prompts; at most {LIMITS.max_choices}")
+    for field, items, bound in (("stop", ["s"] * 64 + [1], 64), ("stop_token_ids", [1] * 1024 + ["x"], 1024),
+                                ("logit_bias", {str(i): 0 for i in range(1025)}, 1024)):
+        error = error_of(post(url, "/v1/completions", {"prompt": "x", field: items}), 400, field)
+        assert error["message"].startswith(f"{field}: {len(items)} ") and f"at most {bound}" in error["message"]
     ok = [{"role": "user", "content": "x"}] * LIMITS.max_messages
     assert post(url, "/v1/chat/completions", {"messages": ok, "max_tokens": 1}).status_code == 200
 
