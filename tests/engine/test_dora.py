@@ -138,3 +138,34 @@ def test_dora_logits_match_peft(tiny, monkeypatch, mode):
             torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
             worst = max(worst, float((got - want).abs().max()))
     print(f"{mode}: max |engine - peft| logit difference {worst:.2e}")
+
+
+def test_a_dora_adapter_with_an_infinite_output_scale_fails_its_request_alone(tiny, tmp_path):
+    """A magnitude of 3e38 over a row norm under 1 is an infinite scale: refused naming the module, others served."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.engine.request import SamplingParams
+
+    model_dir, adapters = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["dora"], bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    name = next(n for n in tensors if n.endswith("layers.0.self_attn.q_proj.lora_magnitude_vector"))
+    tensors[name] = torch.full_like(tensors[name], 3e38)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32",
+                                    multi_lora={**adapters, "bad": str(bad)}, max_loras=2, max_lora_rank=8,
+                                    num_kv_blocks=64, block_size=8))
+    params = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for rid, lora in (("bad", "bad"), ("lora", "lora")):
+        engine.add_request(engine.make_request(rid, "Hello world", SamplingParams(lora_name=lora, **params)))
+    outputs = {}
+    while engine.has_work():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    error = str(outputs["bad"][-1].error)
+    assert outputs["bad"][-1].finished and "DoRA on model.layers.0.self_attn.q_proj" in error and "not finite" in error
+    assert sum(len(o.token_ids) for o in outputs["lora"]) == MAX_TOKENS and outputs["lora"][-1].error is None
+    assert not engine.lora_slots.dora_slots and engine.adapters.pinned_count() == 0

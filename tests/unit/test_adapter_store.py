@@ -204,6 +204,9 @@ def _refusals(good, make, other_model_files):
         "bigger than any valid adapter": (ACME, (good[0], data + b" " * (10 << 20)), "more than any valid adapter"),
         "unknown module": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": ["lm_head"]}), data),
                            "unknown target module"),
+        "regex bomb": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": "(?:(?:(?:a{200}){200}){200})"}),
+                              data), "target_modules pattern '(?:(?:(?:a{200}){200}){200})' expands past 1024"),
+        "config nested deep": (ACME, ("[" * 30_000 + "]" * 30_000, data), "adapter_config.json nests too deeply"),
     }
     assert sorted(cases) == sorted(REFUSALS)
     return cases
@@ -212,7 +215,7 @@ def _refusals(good, make, other_model_files):
 REFUSALS = ["pickle", "garbage", "empty weights", "header past the end", "truncated data", "trailing bytes",
             "offsets lie", "shape lies", "unknown dtype", "header not json", "config not json", "config too big",
             "wrong shapes", "rank over server", "rank over quota", "bytes over quota",
-            "bigger than any valid adapter", "unknown module"]
+            "bigger than any valid adapter", "unknown module", "regex bomb", "config nested deep"]
 
 
 @pytest.mark.parametrize("case", REFUSALS)
