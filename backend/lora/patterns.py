@@ -123,8 +123,8 @@ def check_pattern(field: str, pattern: str, where: str) -> None:
 
 
 class Patterns:
-    """Config regexes matched with the regex package under one deadline per adapter load; each pattern as
-    compiled (the config's, wrapped the way peft wraps it) is checked by check_pattern first."""
+    """Config regexes (each passed check_pattern) matched with the regex package under one deadline per adapter
+    load; each as peft wraps it is bounded again before it is compiled."""
 
     def __init__(self, where: str, budget: float = REGEX_BUDGET_SECONDS):
         self.where, self.budget = where, budget
@@ -137,8 +137,9 @@ class Patterns:
             try:
                 size, depth = expanded_size(pattern, WRAPPED_SIZE)
             except (re.error, RecursionError, OverflowError) as exc:  # peft's re.match raises it too
+                shown = pattern if len(pattern) <= 80 else pattern[:80] + "..."
                 raise AdapterError(f"{self.where}: {field} pattern is not a valid regex as peft applies it "
-                                   f"({pattern!r}): {exc}") from None
+                                   f"({shown!r}): {exc}") from None
             if size > WRAPPED_SIZE or depth > MAX_REGEX_REPEAT_DEPTH:
                 raise AdapterError(f"{self.where}: {field} pattern expands past {MAX_REGEX_SIZE} atoms or nests "
                                    f"counted repeats past {MAX_REGEX_REPEAT_DEPTH} deep as peft applies it")
