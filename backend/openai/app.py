@@ -8,19 +8,18 @@ parsed here against ``Limits``; chat templates render on the ``RenderPool``, nev
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.openai.bodies import Body, parse_json, validation_message
 from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from loraplex.openai.generation import Generation
@@ -38,7 +37,6 @@ from loraplex.openai.triton_stream import WRITE_TIMEOUT_S, TritonClient, adapter
 
 log = logging.getLogger("loraplex.openai")
 UPLOAD_PATH = "/v1/lora_adapters"  # a tenant's adapter upload: its body is read after the key passed, as it arrives
-Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass
@@ -73,32 +71,14 @@ def _error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
-def _validation_message(errors: list) -> tuple[str, str | None]:
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc)
-    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
-
-
 async def parse_body(request: Request, model: type[Body], limits: Limits,
                      authenticate: Callable[[], Awaitable[None]] | None = None) -> Body:
-    """The request's JSON body as ``model``, checked against ``limits``; 400 naming the first bad field. A body
-    over AUTH_FIRST_BYTES is parsed only after ``authenticate()`` passed (the parse runs on the event loop)."""
+    """The request's JSON body as ``model`` (parse_json, on the event loop: its cost is linear in the body's
+    bound); a body over AUTH_FIRST_BYTES is parsed only after ``authenticate()`` passed."""
     raw = await request.body()
     if authenticate is not None and len(raw) > AUTH_FIRST_BYTES:
         await authenticate()
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise bad_request("the body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
-    try:
-        return model.model_validate(data, context=limits)
-    except ValidationError as exc:
-        raise bad_request(*_validation_message(exc.errors())) from None
+    return parse_json(raw, model, limits)
 
 
 class Gateway:
@@ -226,7 +206,7 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        return _error_response(bad_request(*_validation_message(exc.errors())))
+        return _error_response(bad_request(*validation_message(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):

@@ -27,6 +27,7 @@ ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
 LORA_ROOT_ENV = "LORAPLEX_LORA_ROOT"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 64 * 1024  # loraplex.lora.store.MAX_CONFIG_BYTES
+FEED_BYTES = 64 * 1024  # multipart_fields' chunks
 MAX_NAME_BYTES = 256  # the name field (adapter names are at most 64 characters)
 
 
@@ -122,9 +123,11 @@ def upload_reader(content_type: str, max_upload_bytes: int) -> MultipartReader:
 
 
 def multipart_fields(content_type: str, body: bytes, fields: dict[str, int] | None = None) -> dict[str, bytes]:
-    """The named parts of a whole multipart/form-data body (``fields``: the reader's policy); 400 if malformed."""
-    reader = MultipartReader(boundary_of(content_type), fields)
-    reader.feed(body)
+    """The named parts of a whole multipart/form-data body (``fields``: the reader's policy); 400 if malformed. It
+    is fed in FEED_BYTES chunks, as a server reads a body, so a refusal stops it early."""
+    reader, view = MultipartReader(boundary_of(content_type), fields), memoryview(body)
+    for at in range(0, len(body), FEED_BYTES):
+        reader.feed(view[at:at + FEED_BYTES])
     return reader.close()
 
 

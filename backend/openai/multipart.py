@@ -91,7 +91,7 @@ class MultipartReader:
         self.parts = 0
         self.values: dict[str, bytes] = {}
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Read the next bytes of the body; 400 as soon as a bound is passed or the form is malformed."""
         if self._state == _END:
             return  # the epilogue is ignored
