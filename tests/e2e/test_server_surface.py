@@ -26,7 +26,7 @@ from loraplex.clients.generate import stream_generate
 from loraplex.openai.process import GUARD_GRACE
 from loraplex.exceptions import AUTH_ERROR
 from loraplex.tenancy.tenants import key_digest
-from loraplex.launch.tritonserver import ADMIN_HEADER, free_ports
+from loraplex.launch.tritonserver import ADMIN_HEADER, RESTRICTED_APIS, free_ports
 
 KEYS = {"acme": "acme-surface-key", "globex": "globex-surface-key"}
 ADMIN_KEY = "operator-surface-key"
@@ -64,7 +64,18 @@ ADMIN_GRPC = [
     ("get_log_settings", (), True),
     ("update_log_settings", ({"log_verbose_level": 3},), False),
     ("get_trace_settings", (), True),
+    ("update_trace_settings", (None, {"trace_level": ["TIMESTAMPS"]}), False),
+    ("get_cuda_shared_memory_status", (), False),
 ]
+# Which of RESTRICTED_APIS a path or a gRPC method belongs to (Triton's groups); the first word found decides
+API_GROUPS = {"sharedmemory": "shared-memory", "shared_memory": "shared-memory", "repository": "model-repository",
+              "load_model": "model-repository", "config": "model-config", "stat": "statistics", "log": "logging",
+              "trace": "trace"}
+
+
+def api_group(endpoint: str) -> str:
+    """The restricted-API group of an HTTP path or a tritonclient.grpc method name."""
+    return next(group for word, group in API_GROUPS.items() if word in endpoint)
 
 
 def write_tenants(path: Path) -> Path:
@@ -198,14 +209,33 @@ def test_the_admin_key_is_never_printed_and_the_gateway_serves_tenants(keyed):
 
 
 def test_with_keys_and_no_admin_key_the_apis_are_closed_to_everyone(demo, tmp_path):
+    """Every restricted API group, over HTTP and gRPC, refuses every caller when no admin key was given."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    assert {api_group(path) for _, path, _, _ in ADMIN_HTTP} == set(RESTRICTED_APIS)
+    assert {api_group(name) for name, _, _ in ADMIN_GRPC} == set(RESTRICTED_APIS)
     env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_ADMIN_KEY"}
     launcher = start_launcher(tmp_path, demo["model"], ["--tenants-file", str(write_tenants(tmp_path / "t.json"))])
     try:
         serving(launcher)
         base = f"http://127.0.0.1:{launcher.http_port}"
-        for headers in ({}, {ADMIN_HEADER: ""}, {ADMIN_HEADER: KEYS["acme"]}, {"x-api-key": KEYS["acme"]}):
-            r = requests.post(base + "/v2/repository/index", json={}, headers=headers, timeout=5)
-            assert r.status_code == 403, r.text
+        for method, path, body, _ in ADMIN_HTTP:
+            for headers in ({}, {ADMIN_HEADER: ""}, {ADMIN_HEADER: KEYS["acme"]}, {"x-api-key": KEYS["acme"]}):
+                r = requests.request(method, base + path, json=body, headers=headers, timeout=5)
+                assert (r.status_code, r.json()) == (403, {"error": REFUSED_HTTP}), (headers, method, path, r.text)
+        client = grpcclient.InferenceServerClient(launcher.grpc_url)
+        try:
+            for name, args, _ in ADMIN_GRPC:
+                for headers in (None, {GRPC_ADMIN_HEADER: ""}, {GRPC_ADMIN_HEADER: KEYS["acme"]},
+                                {"x-api-key": KEYS["acme"]}):
+                    with pytest.raises(InferenceServerException, match="This protocol is restricted") as caught:
+                        getattr(client, name)(*args, headers=headers, client_timeout=5)
+                    assert caught.value.status() == "StatusCode.UNAVAILABLE", (name, headers)
+            assert client.is_server_ready()  # health stays open
+        finally:
+            client.close()
+        assert requests.get(base + "/v2/models/lora_llm", timeout=5).json()["name"] == "lora_llm"  # metadata too
         assert "are closed (no --admin-key / $LORAPLEX_ADMIN_KEY given)" in launcher.stderr()
         assert env.get("LORAPLEX_ADMIN_KEY") is None
     finally:
