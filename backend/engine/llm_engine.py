@@ -227,10 +227,11 @@ class LLMEngine:
 
     # ---- called from any thread ------------------------------------------------------
     def make_request(self, request_id: str, prompt: str, params: SamplingParams, tenant: str = "default",
-                     limits: "Tenant | None" = None) -> Request:
+                     limits: "Tenant | None" = None, cancelled: Callable[[], bool] | None = None) -> Request:
         """Tokenize, validate and resolve the adapter within the tenant; raises InvalidRequest or AdapterNotFound.
 
-        `limits` is the tenant's weight and quotas (None: weight 1, no quotas). Nothing is queued.
+        `limits` is the tenant's weight and quotas (None: weight 1, no quotas). Nothing is queued. `cancelled`
+        is asked while a constraint waits to compile (engine/constraints.py).
         """
         if not prompt:
             raise InvalidRequest("text_input is empty")
@@ -253,7 +254,7 @@ class LLMEngine:
             )
         request = Request(request_id, prompt, ids, params, tenant, limits=limits)
         if params.structured_outputs is not None:  # compiled here, on the caller's thread, within its bound
-            request.grammar = self.constraints.compile(params.structured_outputs, tenant)
+            request.grammar = self.constraints.compile(params.structured_outputs, tenant, cancelled)
         if params.lora_name:
             request.adapter_key, path, uploaded = self.catalog.resolve(tenant, params.lora_name)
             request.adapter_path = path if uploaded else None

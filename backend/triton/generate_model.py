@@ -148,7 +148,8 @@ class TritonPythonModel:
 
     def _admit(self, request_id: str, sender, parsed, tenant) -> None:
         """On an admission worker: tokenize, validate, register with the responder and queue in the engine."""
-        engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, tenant.name, tenant)
+        engine_request = self.engine.make_request(request_id, parsed.prompt, parsed.params, tenant.name, tenant,
+                                                  cancelled=sender.is_cancelled)
         engine_request.wants_logprobs = parsed.returns["return_cumulative_logprob"] or parsed.params.logprobs is not None
         self.responder.register(
             request_id, sender, parsed.stream, parsed.prompt, parsed.exclude_input, parsed.returns, parsed.params.n
