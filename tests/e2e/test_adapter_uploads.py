@@ -248,6 +248,15 @@ def test_bad_uploads_are_refused(triton_server, folders, case):
     assert call(triton_server, "info", "support", headers=key("acme"))["rank"] == 8
 
 
+def test_a_regex_bomb_in_the_config_is_refused_and_the_stub_serves_on(triton_server, folders):
+    """Nested counted repeats that regex.compile would unroll into 8 million atoms (2.1 GB): refused before compiling."""
+    config, weights = read_adapter_folder(folders["acme-support"])
+    bomb = json.dumps({**json.loads(config), "target_modules": "(?:(?:(?:a{200}){200}){200})"})
+    message = refused(triton_server, "upload", "bomb", bomb, weights, headers=key("acme"))
+    assert "target_modules pattern" in message and "expands past 1024 atoms" in message, message
+    assert "adapters" in call(triton_server, "list", headers=key("acme"))  # the stub still answers
+
+
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "x" * 65, "caf\u00e9", "", "..", "../../etc/passwd",
                                   "a\\b", "x\ny"], ids=repr)
 def test_unsafe_names_are_refused(triton_server, folders, name):
