@@ -16,6 +16,7 @@ from helpers import http_generate, scrape
 from tritonserver_fixture import make_triton_server_fixture
 
 from loraplex.clients.generate import build_inputs, stream_generate
+from loraplex.exceptions import AUTH_ERROR
 from loraplex.tenancy.tenants import key_digest
 
 KEYS = {"acme": "acme-flood-key", "globex": "globex-quiet-key"}
@@ -77,9 +78,18 @@ def test_a_prompt_over_the_byte_bound_is_refused_before_tokenizing(triton_server
                                                        "are accepted (max_prompt_bytes)")
 
 
+def _answers(server, key: str) -> tuple[str | None, tuple[int, str | None]]:
+    """What a key gets: (the gRPC stream's error text or None, (HTTP generate's status, its error or None))."""
+    streamed = stream_generate(server.grpc_url, "who am I", {"max_tokens": 1}, headers={"x-api-key": key})
+    r = http_generate(server, {"text_input": "who am I", "parameters": {"api_key": key, "max_tokens": 1}})
+    return (None if streamed.error is None else streamed.error.message()), (r.status_code, r.json().get("error"))
+
+
 def test_a_broken_tenants_file_keeps_the_last_good_one_and_is_counted(triton_server):
     good = TENANTS_FILE.read_text()
     assert scrape(triton_server, "loraplex_tenants_file_reload_failures_total") == 0
+    refused = (AUTH_ERROR, (400, AUTH_ERROR))  # INVALID_ARG over HTTP; a stream's error carries no status code
+    assert _answers(triton_server, "intruder") == refused and _answers(triton_server, KEYS["acme"]) == (None, (200, None))
     digest = key_digest(KEYS["acme"]).hex()
     TENANTS_FILE.write_text('{"tenants": {"acme": {"api_key_sha256": "%s"}, "acme": {"api_key_sha256": "%s"}}}'
                             % (digest, key_digest("intruder").hex()))  # a duplicate name: refused, not collapsed
@@ -88,11 +98,9 @@ def test_a_broken_tenants_file_keeps_the_last_good_one_and_is_counted(triton_ser
         while (scrape(triton_server, "loraplex_tenants_file_reload_failures_total") or 0) < 2:
             assert time.monotonic() < deadline, "the failing reloads were not counted"
             time.sleep(0.2)
-        ok = stream_generate(triton_server.grpc_url, "still me", {"max_tokens": 1}, headers={"x-api-key": KEYS["acme"]})
-        assert ok.error is None
-        intruder = stream_generate(triton_server.grpc_url, "me too", {"max_tokens": 1},
-                                   headers={"x-api-key": "intruder"})
-        assert intruder.error is not None
+        # exactly what the last good file answers: acme served, the intruder refused as any unknown key is
+        assert _answers(triton_server, KEYS["acme"]) == (None, (200, None))
+        assert _answers(triton_server, "intruder") == refused
         log = triton_server.log_path.read_text()
         assert log.count("tenants file not reloaded, keeping the last good one (2 tenant(s))") >= 2
         assert "'acme' appears twice in one JSON object (a duplicate tenant name?)" in log
