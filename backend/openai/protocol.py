@@ -6,9 +6,10 @@ fields no one can act on here (``user``, ``store``, ``metadata``, ...) are ignor
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError
 
 from loraplex.openai.errors import bad_request
@@ -19,6 +20,19 @@ from loraplex.openai.tools import MAX_TOOLS, ToolError, call_schema, check_tools
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older spelling
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (and vLLM's)
 DEFAULT_LIMITS = Limits()
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast (a list's validation stops at its first bad item, so a refusal costs one error, not one
+    per item), hashable so that it can sit inside a Union."""
+
+    def __hash__(self) -> int:
+        return hash(FailFast)
+
+
+TokenIds = Annotated[list[int], _FailFast()]
+Texts = Annotated[list[str], _FailFast()]
+ContentParts = Annotated[list[dict[str, Any]], _FailFast()]
 
 
 def _bounded_list(value: Any, bound: int, what: str) -> Any:
@@ -162,7 +176,7 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, Texts, TokenIds, Annotated[list[TokenIds], _FailFast()]]
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -206,7 +220,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, ContentParts, None] = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string."""

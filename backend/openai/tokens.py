@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import bad_request
-from loraplex.openai.protocol import ChatInputs
+from loraplex.openai.protocol import ChatInputs, TokenIds
 from loraplex.openai.tools import ToolError, check_tools
 
 
@@ -39,7 +39,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int] = Field(min_length=0)
+    tokens: TokenIds = Field(min_length=0)
 
 
 def tokenize(renderer: ChatRenderer, body: TokenizeRequest, tools: list[dict] | None) -> tuple[list[int], list[str]]:

@@ -120,6 +120,15 @@ def content_parts_and_extras(n: int):
         '{"messages": [{"role": "user", "content": [@], "x": [@]}]}', '{"type": "text", "text": ""}', n))
 
 
+def lists_of_invalid_items(n: int):
+    """Token ids, prompt token ids and content parts, each n × 512 KiB of items of the wrong type: a refusal names
+    the first one (pydantic would otherwise build one error per item)."""
+    bodies = [_json_body("DetokenizeRequest", _filled('{"tokens": [@]}', '"x"', n)),
+              _json_body("CompletionRequest", _filled('{"prompt": [[@]]}', '"x"', n)),
+              _json_body("ChatCompletionRequest", _filled('{"messages": [{"role": "user", "content": [@]}]}', "1", n))]
+    return lambda: [call_refused(b) for b in bodies]
+
+
 def detokenize_ids(n: int):
     """/detokenize's token list, n × 512 KiB of ids."""
     return _json_body("DetokenizeRequest", _filled('{"tokens": [@]}', "1", n))
@@ -139,6 +148,10 @@ def test_long_stop_and_logit_bias_lists_are_refused_by_their_counts():
 
 def test_content_parts_and_message_extras_parse_in_linear_time():
     assert_linear(content_parts_and_extras, 2, max_seconds=1.0, repeats=1)
+
+
+def test_lists_of_invalid_items_are_refused_at_their_first_item():
+    assert_linear(lists_of_invalid_items, 1, max_seconds=0.2, repeats=1)
 
 
 def test_detokenize_ids_parse_in_linear_time():
