@@ -85,6 +85,7 @@ class Worker:
         self.proc = subprocess.Popen(command + [str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, close_fds=True)
         os.set_blocking(self.proc.stdin.fileno(), False)
+        self.ready = False  # set up: it has answered the set-up message
 
     @property
     def pid(self) -> int:
@@ -95,6 +96,7 @@ class Worker:
         reply = self._receive(deadline)
         if reply.get("ready") != self.pid:
             raise WorkerLost(f"the worker answered its set-up with {reply!r}")
+        self.ready = True
 
     def run(self, job: dict, deadline: float) -> dict:
         """The worker's reply to one job; TimeoutError past the deadline, WorkerLost when it dies."""
@@ -268,9 +270,9 @@ class CompileWorkers:
                 item.future.set_result(item.then(self._run(slot, item.job)))
             except BaseException as exc:  # noqa: BLE001 - the caller gets every failure
                 item.future.set_exception(exc)
-            if slot.worker is None and not self._closed:  # the compile killed it: the next one is ready sooner
+            if slot.worker is None and not self._closed:  # killed: its successor loads xgrammar meanwhile
                 try:
-                    self._set_worker(slot, self._start_worker())
+                    self._set_worker(slot, self._spawn())
                 except WorkerUnavailable as exc:
                     log.warning("%s", exc)
         if slot.worker is not None:
@@ -288,8 +290,10 @@ class CompileWorkers:
             slot.worker.kill()
             self._set_worker(slot, None)
         if slot.worker is None:
-            self._set_worker(slot, self._start_worker())
+            self._set_worker(slot, self._spawn())
         worker = slot.worker
+        if not worker.ready:  # a job waits for its worker's start, not counted against its bound
+            self._set_up(slot, worker)
         try:
             reply = worker.run(dict(job, cpu_s=self.timeout_s + 1.0), time.monotonic() + self.timeout_s)
         except TimeoutError:
@@ -306,22 +310,21 @@ class CompileWorkers:
             raise CompileFailed(str(reply["error"]), bool(reply.get("memory")))
         return reply
 
-    def _start_worker(self) -> Worker:
-        """A new worker, set up and ready; WorkerUnavailable when it cannot be."""
+    def _spawn(self) -> Worker:
+        """A worker process started (it loads xgrammar while it waits for its set-up)."""
         try:
-            worker = Worker(self._command or default_command(), self._env)
+            return Worker(self._command or default_command(), self._env)
         except OSError as exc:
             raise WorkerUnavailable(f"a compile worker could not start: {exc}") from exc
-        try:  # the engine builds the set-up while the worker loads xgrammar
+
+    def _set_up(self, slot: _Slot, worker: Worker) -> None:
+        """Send a started worker its set-up and wait until it is ready; WorkerUnavailable when it cannot be."""
+        try:
             init = dict(self._init(), memory_bytes=self.memory_bytes, nice=NICE)
+            worker.set_up(init, time.monotonic() + self.startup_timeout_s)
         except Exception as exc:
             worker.kill()
-            raise WorkerUnavailable(f"a compile worker could not be set up: {exc}") from exc
-        try:
-            worker.set_up(init, time.monotonic() + self.startup_timeout_s)
-        except (TimeoutError, WorkerLost, OSError, ValueError) as exc:
-            worker.kill()
-            raise WorkerUnavailable(f"a compile worker did not start: {exc or 'timed out'}") from None
+            self._set_worker(slot, None)
+            raise WorkerUnavailable(f"a compile worker did not start: {exc or 'timed out'}") from exc
         with self._cond:
             self.started += 1
-        return worker

@@ -78,18 +78,37 @@ def test_each_sample_has_its_own_matcher_and_ends_where_the_grammar_may(engine):
         assert "".join(o.text for o in mine) in choices and mine[-1].finish_reason == "stop"
 
 
+NESTED: dict = {"type": "string"}
+for _ in range(40):  # 81 levels as a JSON document
+    NESTED = {"type": "object", "properties": {"a": NESTED}}
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}, "json"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
     ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, "grammar"),
     ({"guided_json": "{" * 100}, "json"),
     ({"structured_outputs": {"regex": "a" * 70000}}, "over 65536 bytes"),
+    ({"guided_json": json.dumps(NESTED)}, "json nests more than 64 levels deep"),
+    ({"structured_outputs": {"regex": "(a|" * 33 + "b" + ")*" * 33}}, "regex nests its groups 33 deep"),
 ])
 def test_a_bad_constraint_is_refused_at_once_naming_what_is_wrong(engine, extra, message):
     with pytest.raises(InvalidRequest, match=message):
         engine.make_request("bad", "Hello", params(extra, None))
     ok = engine.make_request("ok", "Hello", params({"guided_choice": ["yes", "no"]}, None))  # the engine serves on
     assert "".join(o.text for o in engine.generate([ok])["ok"]) in ("yes", "no")
+
+
+def test_constraints_compile_in_a_worker_and_each_tenant_has_its_own_cache(engine):
+    extra = {"structured_outputs": {"regex": "[a-c]{4}"}}
+    compiled = engine.constraints.compiled
+    mine = engine.make_request("acme-1", "Hello", params(extra, None), "acme")
+    assert engine.make_request("acme-2", "Hello", params(extra, None), "acme").grammar is mine.grammar
+    theirs = engine.make_request("globex-1", "Hello", params(extra, None), "globex")
+    assert theirs.grammar is not mine.grammar and engine.constraints.compiled == compiled + 2  # no hit across
+    assert engine.constraints.worker_pids()  # the compiles ran in a worker process first
+    text = "".join(o.text for o in engine.generate([theirs])["globex-1"])
+    assert len(text) == 4 and set(text) <= set("abc")
 
 
 # ---- property: random schemas -------------------------------------------------------------------------

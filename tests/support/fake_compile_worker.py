@@ -1,8 +1,8 @@
 """A compile worker without xgrammar, for tests of the pool (engine/compile_workers.py): the real worker's life
 (set-up, rlimits, death with its parent) around a compile that does what the constraint's text says.
 
-"spin": burns CPU until killed; "hog": allocates 8 GiB; "die": exits mid-compile; "bad...": refused; anything
-else compiles at once. Each job's text is appended to the file named by LORAPLEX_FAKE_COMPILE_LOG (if set) as
+"spin": burns CPU until killed; "hog": allocates 8 GiB; "die": exits mid-compile; "bad...": refused;
+"hold:<path>": waits until the file exists; anything else compiles at once. Each job's text is appended to the file named by LORAPLEX_FAKE_COMPILE_LOG (if set) as
 it arrives.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from loraplex.engine.compile_worker import serve
 
@@ -27,6 +28,9 @@ def _run(job: dict) -> None:
         bytearray(8 << 30)
     if spec == "die":
         os._exit(3)
+    if spec.startswith("hold:"):
+        while not os.path.exists(spec[5:]):
+            time.sleep(0.005)
     if spec.startswith("bad"):
         raise ValueError(f"cannot compile {spec!r}")
 
