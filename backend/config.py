@@ -63,6 +63,8 @@ class EngineConfig:
     native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
     enforce_eager: bool = False  # CUDA: decode steps launch their kernels one by one instead of replaying CUDA graphs
     stream_interval: int = 1  # served streams: a response carries at least this many new tokens (the first and last: any)
+    grammar_token_budget_ms: float = 10.0  # a constrained sample whose matching takes longer for one token fails; 0 = off
+    grammar_mean_budget_ms: float = 1.0  # ... or longer per token on average, after a burst of 10 tokens' budget; 0 = off
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +108,8 @@ class EngineConfig:
             (self.cpu_threads >= 0, "cpu_threads must be >= 0 (0 = auto)"),
             (self.native_threads >= 0, "native_threads must be >= 0 (0 = auto)"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
+            (self.grammar_token_budget_ms >= 0 and self.grammar_mean_budget_ms >= 0,
+             "grammar_token_budget_ms and grammar_mean_budget_ms must be >= 0 (0 = off)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -27,6 +27,7 @@ from loraplex.lora.store import AdapterStore
 from loraplex.engine.constraints import ConstraintCompiler, new_matcher
 from loraplex.engine.inbox import Abort, Add, FinalMade, Message, OutputFailed, StopSample
 from loraplex.engine.metrics import TenantLabels, Values, per_label
+from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
 from loraplex.models.loader import load_hf_config
@@ -120,6 +121,7 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks,
                                   self.eos_token_ids)
+        self.runner.grammar_budget = GrammarBudget(config.grammar_token_budget_ms, config.grammar_mean_budget_ms)
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,
@@ -211,6 +213,7 @@ class LLMEngine:
             ("request_finished_total", self.finished_requests),
             ("prompt_tokens_total", stats.prompt_tokens),
             ("request_success_total", stats.succeeded),
+            ("grammar_match_seconds_total", self.runner.grammar_seconds),
         ):
             per_label(values, name, dict(counts))
         values.update(self._adapters_waiting())
@@ -522,7 +525,7 @@ class LLMEngine:
             seq.namespace = namespace
             seq.generator = make_generator(params, index, self.device)
             if request.grammar is not None:
-                seq.matcher = new_matcher(request.grammar)
+                seq.matcher = RowMatcher(new_matcher(request.grammar), request.metric_label)
             seqs.append(seq)
         seqs[0].forks = seqs[1:]  # n > 1: forked from sample 0 after its prefill (copy-on-write)
         return seqs

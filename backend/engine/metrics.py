@@ -73,6 +73,8 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
     Family("adapter_evictions_total", COUNTER, ("tier",),
            "Adapters evicted from a device slot (device) or from host memory (host)"),
     Family("preemptions_total", COUNTER, (), "Sequences preempted"),
+    Family("grammar_match_seconds_total", COUNTER, T,
+           "CPU seconds spent matching structured-output grammars (mask fill plus accept, per token), per tenant"),
     Family("tenants_file_reload_failures_total", COUNTER, (),
            "Checks that found the tenants file unreadable, invalid or gone (the last good tenants stay in force)"),
     Family("time_to_first_token_seconds", HISTOGRAM, T, "Arrival to first generated token, per tenant", TTFT_BUCKETS),

@@ -14,6 +14,7 @@ from loraplex import kernels
 from loraplex.lora.backends import LoraPlan, lora_backend
 from loraplex.models.llama import AttentionBatch, LlamaModel
 from loraplex.worker import grammar_mask
+from loraplex.worker.grammar_budget import GrammarBudget
 from loraplex.worker.sampler import sample_tokens, token_logprobs
 from loraplex.worker.step_arrays import RepeatedDecode
 
@@ -23,6 +24,7 @@ from loraplex.worker.step_arrays import RepeatedDecode
 # most this many keys each on average: each row re-reads its sequence's keys, which costs little next to its
 # GEMMs up to a few thousand (decision 039); longer contexts keep the prefill path.
 ROWS_FORM_MAX_MEAN_CONTEXT = 4096
+_NO_FILLING = contextlib.nullcontext()  # a step without constrained rows
 
 
 @dataclass(slots=True)
@@ -51,6 +53,8 @@ class ModelRunner:
         # (32 MB) is mapped and page-faulted anew each step, so the buffer is reused (figures: docs/benchmarks.md)
         self._logits_buffer = torch.empty(0, model.vocab_size)
         self._grammar = None  # GrammarMask, made at the first constrained row
+        self.grammar_budget = GrammarBudget()  # each constrained row's matching budget (the engine sets its knobs)
+        self.grammar_seconds: dict[str, float] = {}  # matching CPU seconds per tenant label (metrics)
         self.lora = None if lora_slots is None else lora_backend(model, lora_slots, self._tensor)
         # a step with prefill may run in the one-call decode forward when that call adds its LoRA deltas too
         self._rows_form = model.native_decode is not None and (self.lora is None or self.lora.one_call)
@@ -100,7 +104,9 @@ class ModelRunner:
                 seqs.append(child)
         rows = num + len(batch.forks)
         errors: dict[int, Exception] = {}
-        with _inference_mode():
+        sampling = sampling or _sampling_rows(seqs)
+        # the masks fill on their threads while the model runs
+        with _inference_mode(), self._filling(sampling[5]) as filling:
             with _while_set(self.computing):  # the output thread's turn: the model's ops, not the sampling's Python
                 if graphed:
                     hidden = self.graphs.run(step, lora)
@@ -121,9 +127,8 @@ class ModelRunner:
                 if not finite:
                     logits = self._contain_non_finite(logits, torch.isfinite(logits).all(dim=-1), sample_seqs, errors)
                     greedy = None  # the rows zeroed: their argmax again
-            sampling = sampling or _sampling_rows(seqs)
             params, generators, random_rows, wants_logprobs, min_rows, grammar_rows = sampling
-            if self._restrict(logits, min_rows, grammar_rows):
+            if self._restrict(logits, min_rows, grammar_rows, filling):
                 greedy = None  # a restricted row's argmax again
             tokens = sample_tokens(logits, params, generators, random_rows, greedy)
             if wants_logprobs:
@@ -138,7 +143,7 @@ class ModelRunner:
                 token_array = (tokens if self._on_cpu else tokens.cpu()).numpy()
             tokens = token_array.tolist()
             if grammar_rows:
-                grammar_mask.advance(grammar_rows, tokens, sample_seqs, errors)
+                self._grammar.advance(grammar_rows, tokens, sample_seqs, errors)
         if not errors:
             self._inputs.sampled(token_array, (lora, sampling))
         if every_seq:  # sample j is row j
@@ -151,14 +156,28 @@ class ModelRunner:
                 out.logprobs[i], out.top_logprobs[i] = chosen[j], tops[j]
         return out
 
-    def _restrict(self, logits: torch.Tensor, min_rows: list, grammar_rows: list) -> bool:
+    def _filling(self, grammar_rows: list):
+        """A context of the constrained rows' bitmasks, filling from now on (None without any rows)."""
+        return self._filled(grammar_rows) if grammar_rows else _NO_FILLING
+
+    @contextlib.contextmanager
+    def _filled(self, grammar_rows: list):
+        """The rows' Filling; on leaving, every fill has ended (a failed step leaves none running)."""
+        if self._grammar is None:
+            self._grammar = grammar_mask.GrammarMask(self.model.vocab_size, self.device, seconds=self.grammar_seconds)
+        self._grammar.budget = self.grammar_budget
+        filling = self._grammar.fill(grammar_rows)
+        try:
+            yield filling
+        finally:
+            filling.settle()
+
+    def _restrict(self, logits: torch.Tensor, min_rows: list, grammar_rows: list, filling=None) -> bool:
         """-inf where a row may not sample: its stop tokens below its min_tokens, the tokens its grammar refuses
-        next. True if any row was restricted."""
+        next (``filling``: their bitmasks). True if any row was restricted."""
         held = bool(min_rows) and _hold_stops(logits, min_rows, self.eos_token_ids)
         if grammar_rows:
-            if self._grammar is None:
-                self._grammar = grammar_mask.GrammarMask(self.model.vocab_size, self.device)
-            self._grammar.apply(logits, grammar_rows)
+            self._grammar.apply(logits, grammar_rows, filling)
         return held or bool(grammar_rows)
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:

@@ -164,3 +164,18 @@ def test_the_snapshot_and_live_values_name_only_known_families(engine):
     names = {f.name for f in FAMILIES}
     assert {name for name, _ in engine.snapshot()} <= names
     assert {name for name, _ in live_values(engine.stats)} <= names
+
+
+def test_a_tenants_grammar_matching_time_is_a_counter_of_its_own(engine, monkeypatch):
+    # what the runner counts per tenant label (tests/engine/test_grammar_budget.py counts it from real matching)
+    monkeypatch.setattr(engine.runner, "grammar_seconds", {"acme": 0.25, "t0123456789ab": 0.5})
+    pb = FakePbUtils()
+    metrics = TritonMetrics(pb, "lora_llm", "1")
+    metrics.publish(engine.snapshot(), [])
+    assert pb.value("loraplex_grammar_match_seconds_total", tenant="acme") == 0.25
+    assert pb.value("loraplex_grammar_match_seconds_total", tenant="t0123456789ab") == 0.5
+    engine.runner.grammar_seconds["acme"] = 0.75
+    pb.calls.clear()
+    metrics.publish(engine.snapshot(), [])
+    assert pb.calls == [("increment", "loraplex_grammar_match_seconds_total", 0.5)]
+    assert PREFIX + "grammar_match_seconds_total" in EXPORTED_METRICS

@@ -18,4 +18,5 @@ def test_the_benchmark_runs_and_reports_both_runs_and_the_compiles(demo, tmp_pat
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"free", "mixed"} and report["ratio"] > 0
     assert report["best"]["mixed"]["mask_ms_per_step"] > 0 == report["best"]["free"]["mask_ms_per_step"]
+    assert report["best"]["mixed"]["match_cpu_ms_per_step"] > 0 == report["best"]["free"]["match_cpu_ms_per_step"]
     assert report["compile"]["samples"] == 4 and "x of free" in run.stdout
