@@ -10,6 +10,7 @@ validate; forced calls always do), never content.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -184,6 +185,25 @@ def test_a_bad_schema_is_400_promptly(gateway, fmt, mark):
     with pytest.raises(openai.BadRequestError) as e:
         client(gateway).chat.completions.create(model=BASE, messages=MESSAGES, response_format=fmt, max_tokens=8)
     assert time.monotonic() - start < 10 and mark in e.value.body["message"]
+
+
+def test_constraints_compile_in_niced_workers_of_the_stub_and_a_deep_schema_is_400_at_once(gateway, triton_server):
+    from loraplex.launch.processes import proc_info, processes
+
+    r = client(gateway).completions.create(model=BASE, prompt="Digits:", max_tokens=4, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert r.choices[0].text.isdigit()
+    workers = [p for p in processes() if p.running and b"loraplex.engine.compile_worker" in
+               Path(f"/proc/{p.pid}/cmdline").read_bytes()]
+    mine = [w for w in workers if (stub := proc_info(w.ppid)) and stub.ppid == triton_server.proc.pid]
+    assert mine and all(os.getpriority(os.PRIO_PROCESS, w.pid) >= 10 for w in mine)  # started by lora_llm's stub
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gateway).chat.completions.create(model=BASE, messages=MESSAGES, response_format=fmt, max_tokens=8)
+    assert "structured_outputs: json nests more than 64 levels deep" in e.value.body["message"]
 
 
 # ---- tools ------------------------------------------------------------------------------------------------
