@@ -437,7 +437,7 @@ def test_a_long_part_header_is_refused_at_its_bound_while_it_is_read(served):
     sock = raw(url)
     part = b"--b\r\nContent-Disposition: form-data; "
     head = UPLOAD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(part), part)
-    answer, sent = send_until_answered(sock, head, b"a" * 1024, 64 * 1024)
+    answer, sent = send_until_answered(sock, head, b"a" * 2048, 64 * 1024)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 400 ") and b"headers are over 8192 bytes" in answer
     assert sent < 32 * 1024  # refused near the part header's bound (8 KiB), not at the body's
@@ -449,7 +449,7 @@ def test_an_upload_past_its_bound_is_413_while_it_is_read(served):
     sock = raw(url)
     part = b'--b\r\nContent-Disposition: form-data; name="adapter_model"\r\n\r\n'
     head = UPLOAD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(part), part)
-    answer, sent = send_until_answered(sock, head, b"w" * 8192, 64 * LIMITS.max_upload_bytes)
+    answer, sent = send_until_answered(sock, head, b"w" * 32768, 64 * LIMITS.max_upload_bytes)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
     assert sent < 2 * LIMITS.max_upload_bytes
