@@ -181,6 +181,14 @@ def parse_guided(key: str, value: Any) -> Constraint | None:
     return Constraint(kind, _spec(kind, value))
 
 
+def _asked(cancelled: Callable[[], bool]) -> bool:
+    """Whether the request was cancelled; a sender that cannot say (already closed) counts as no."""
+    try:
+        return bool(cancelled())
+    except Exception:  # noqa: BLE001 - the compile goes on; the request's end is the responder's to see
+        return False
+
+
 class ConstraintCompiler:
     """Compiles constraints for one tokenizer with xgrammar: first in a worker process (engine/compile_workers.py),
     stopped at ``timeout_s``, then, once it ended within its bounds there, in the engine process on the worker's
@@ -286,6 +294,8 @@ class ConstraintCompiler:
                                          "memory (the compile was stopped)") from None
                 raise InvalidRequest(f"{what} is not valid: {exc}") from None
             except WorkerLost as exc:
+                if self._closed:  # close() killed it
+                    raise EngineShuttingDown("the model is shutting down; the request did not start") from None
                 raise InvalidRequest(f"{what}: compiling it stopped: {exc}") from None
             except WorkerUnavailable as exc:
                 raise EngineOverloaded(f"structured_outputs: no compile worker is available ({exc}); "
@@ -294,7 +304,7 @@ class ConstraintCompiler:
                 text = str(exc).strip()
                 message = text.splitlines()[0] if text else type(exc).__name__
                 raise InvalidRequest(f"{what} is not valid: {message[:300]}") from None
-            if cancelled is not None and cancelled():
+            if cancelled is not None and _asked(cancelled):
                 self._pool.withdraw(future)  # waiting: never runs; running: ends within its bound, counted
                 raise RequestCancelled(f"the request was cancelled while its {what} compiled")
             if time.monotonic() > wait_until and self._pool.withdraw(future):

@@ -16,7 +16,8 @@ import pytest
 
 from loraplex.engine.constraints import Constraint, ConstraintCompiler, parse_guided, parse_structured_outputs
 from loraplex.engine.grammar_cache import GrammarCache
-from loraplex.exceptions import EngineOverloaded, InvalidRequest, QuotaExceeded, RequestCancelled
+from loraplex.exceptions import (EngineOverloaded, EngineShuttingDown, InvalidRequest, QuotaExceeded,
+                                 RequestCancelled)
 from loraplex.launch.processes import process_running
 
 FAKE_WORKER = [sys.executable, str(Path(__file__).resolve().parents[1] / "support" / "fake_compile_worker.py")]
@@ -236,6 +237,22 @@ def test_a_tenant_whose_compile_was_stopped_waits_behind_the_others(fake_compile
     for thread in threads:
         thread.join(10)
     assert received(jobs)[2:] == ["polite", "hostile-again"]  # arrived second, served first
+
+
+def test_closing_ends_waiting_and_running_compiles_and_kills_the_workers(fake_compiler, jobs):
+    compiler = fake_compiler(workers=1)
+    running, ran = in_thread(compiler.compile, regex("spin"), "acme")
+    until(lambda: received(jobs), "the spinning compile started")
+    waiting, waited = in_thread(compiler.compile, regex("queued"), "globex")
+    until(lambda: len(compiler._pool._queues[0]) == 1, "the other compile waits")
+    [worker] = compiler.worker_pids()
+    compiler.close()
+    for thread in (running, waiting):
+        thread.join(10)
+    assert all(isinstance(out[0], EngineShuttingDown) for out in (ran, waited)), (ran, waited)
+    assert not process_running(worker) and received(jobs) == ["spin"]
+    with pytest.raises(EngineShuttingDown):
+        compiler.compile(regex("late"))
 
 
 # ---- the cache ------------------------------------------------------------------------------------------------------
