@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.openai.bodies import Body, parse_json, validation_message
+from loraplex.openai.callers import KnownCallers
 from loraplex.openai.chat import ChatRenderer
 from loraplex.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from loraplex.openai.generation import Generation
@@ -89,6 +90,7 @@ class Gateway:
         self.settings, self.triton, self.renderer = settings, triton, renderer
         limits = settings.limits
         self.pool = pool or RenderPool(limits.render_threads, limits.render_timeout_s)
+        self.callers = KnownCallers()
         self.created = int(time.time())
 
     def lora_name(self, model: str | None) -> str | None:
@@ -129,8 +131,14 @@ class Gateway:
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
         """A tenant route's JSON body as ``model`` (parse_body; a large one after the caller's key passed)."""
-        return await parse_body(request, model, self.settings.limits,
-                                lambda: self.check_model(None, identity_headers(request)))
+        return await parse_body(request, model, self.settings.limits, lambda: self.authenticate(request))
+
+    async def authenticate(self, request: Request) -> None:
+        """401 unless Triton accepts the caller's identity (asked again only after KNOWN_FOR_S)."""
+        headers = identity_headers(request)
+        if not self.callers.known(headers):
+            await self.check_model(None, headers)
+            self.callers.accepted(headers)
 
     async def check_model(self, model: str | None, headers: dict) -> None:
         """Authenticate the caller with Triton (lora_adapters' list); 404 unless ``model`` is one it may use."""

@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from loraplex.openai.app import Settings, create_app
+from loraplex.openai.callers import KnownCallers
 from loraplex.openai.chat import COUNT_CHARS_PER_TOKEN, ChatRenderer
 from loraplex.openai.errors import OpenAIError, client_text, from_rpc, from_triton
 from loraplex.openai.limits import Limits
@@ -50,6 +51,7 @@ class FakeTriton:
         pass
 
     async def visible_adapters(self, headers, cursor=None, limit=None):
+        self.listed = getattr(self, "listed", 0) + 1
         if headers.get("x-api-key") == BAD_KEY:
             raise OpenAIError(401, "missing or invalid API key", "invalid_request_error", None, "invalid_api_key")
         return [], None
@@ -206,7 +208,7 @@ def test_bodies_within_the_bound_are_served_and_bad_json_is_400(served):
 def test_a_large_body_is_parsed_only_after_the_callers_key_passed(served, monkeypatch):
     import loraplex.openai.app as app_module
 
-    url, _ = served
+    url, triton = served
     monkeypatch.setattr(app_module, "AUTH_FIRST_BYTES", 1024)
     bad = {"Authorization": f"Bearer {BAD_KEY}"}
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
@@ -214,6 +216,25 @@ def test_a_large_body_is_parsed_only_after_the_callers_key_passed(served, monkey
         assert error_of(large, 401, None, "invalid_api_key")  # not "not valid JSON": never parsed
         small = requests.post(f"{url}{path}", data="[" * 512, headers=bad, timeout=30)
         assert error_of(small, 400)["message"] == "the body is not valid JSON"  # small: parsed, as before
+    good, listed = {"Authorization": "Bearer good-key"}, getattr(triton, "listed", 0)
+    for _ in range(3):  # a caller Triton accepted is not asked again for a while
+        assert error_of(requests.post(f"{url}/v1/completions", data="[" * 2048, headers=good, timeout=30),
+                        400)["message"] == "the body is not valid JSON"
+    assert triton.listed == listed + 1
+
+
+def test_known_callers_are_kept_a_while_and_a_bounded_number():
+    callers = KnownCallers(ttl_s=60.0, size=2)
+    a, b, c = ({"x-api-key": k} for k in "abc")
+    assert not callers.known(a)
+    callers.accepted(a)
+    callers.accepted(b)
+    assert callers.known(a) and callers.known(b) and not callers.known({"x-api-key": "a", "x-tenant-id": "t"})
+    callers.accepted(c)  # the oldest goes
+    assert not callers.known(a) and callers.known(c)
+    expired = KnownCallers(ttl_s=0.0)
+    expired.accepted(a)
+    assert not expired.known(a)
 
 
 # ---- counts ----------------------------------------------------------------------------------------------
