@@ -116,11 +116,20 @@ def _limit_cpu(seconds: float) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def serve(setup: Callable[[dict], Callable[[dict], None]], argv: list[str]) -> int:
+def take_stdout():
+    """The engine's channel (the process's stdout), kept for the messages; whatever else writes to stdout
+    (a library's print) goes to stderr instead."""
+    channel = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def serve(setup: Callable[[dict], Callable[[dict], None]], argv: list[str], channel=None) -> int:
     """The worker's life: set-up (``setup(message)`` gives the job runner), then jobs until the input ends."""
     _die_with_parent(int(argv[1]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin, stdout = sys.stdin.buffer, channel or take_stdout()
     init = read_message(stdin)
     if init is None:
         return 0
@@ -157,6 +166,7 @@ def _xgrammar_setup(init: dict) -> Callable[[dict], None]:
 
 
 if __name__ == "__main__":
+    _channel = take_stdout()
     import xgrammar  # noqa: F401 - loaded while the engine builds the set-up
 
-    sys.exit(serve(_xgrammar_setup, sys.argv))
+    sys.exit(serve(_xgrammar_setup, sys.argv, _channel))

@@ -2,7 +2,7 @@
 (set-up, rlimits, death with its parent) around a compile that does what the constraint's text says.
 
 "spin": burns CPU until killed; "hog": allocates 8 GiB; "die": exits mid-compile; "bad...": refused;
-"hold:<path>": waits until the file exists; anything else compiles at once. Each job's text is appended to the file named by LORAPLEX_FAKE_COMPILE_LOG (if set) as
+"hold:<path>": waits until the file exists; "chatty": prints to stdout; anything else compiles at once. Each job's text is appended to the file named by LORAPLEX_FAKE_COMPILE_LOG (if set) as
 it arrives.
 """
 
@@ -31,6 +31,8 @@ def _run(job: dict) -> None:
     if spec.startswith("hold:"):
         while not os.path.exists(spec[5:]):
             time.sleep(0.005)
+    if spec == "chatty":
+        print("a library printing to stdout")
     if spec.startswith("bad"):
         raise ValueError(f"cannot compile {spec!r}")
 

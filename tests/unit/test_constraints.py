@@ -176,6 +176,7 @@ def test_a_worker_that_dies_mid_compile_refuses_that_constraint_only(fake_compil
         compiler.compile(regex("die"))
     with pytest.raises(InvalidRequest, match="structured_outputs.regex is not valid: cannot compile 'bad'"):
         compiler.compile(regex("bad"))
+    assert compiler.compile(regex("chatty")).spec == "chatty"  # its print went to stderr, not into the replies
     assert compiler.compile(regex("next")).spec == "next"
 
 
