@@ -151,7 +151,8 @@ def test_a_compiled_constraint_is_cached_per_tenant_and_costs_no_compile(demo):
 
 
 # ---- the worker processes ----------------------------------------------------------------------------------------
-def test_a_compile_past_its_bound_is_stopped_its_worker_killed_and_replaced(fake_compiler):
+def test_a_compile_over_its_bound_is_refused_naming_the_constraint(fake_compiler):
+    """... and stopped: its worker process is killed (its CPU stops) and another serves the next compile."""
     compiler = fake_compiler(timeout_s=0.3, workers=1)
     compiler.compile(regex("warm"))
     [worker] = compiler.worker_pids()
@@ -268,7 +269,8 @@ def test_a_tenant_filling_its_share_does_not_evict_another_tenants_entries(fake_
     assert compiler._cache.bytes_of("acme") == 7000 and compiler._cache.keys_of("acme")[0] == regex("a23")
 
 
-def test_the_cache_drops_the_least_recently_used_of_the_tenant_holding_most():
+def test_the_cache_drops_the_least_recently_used_past_its_bytes():
+    """... of the tenant holding the most bytes."""
     cache = GrammarCache(max_bytes=100)
     for key in ("a1", "a2", "a3"):
         cache.put("acme", key, key.upper(), 30)
