@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 READY, STOP, EXITED, STOPPING, DEAD_STUB = "ready", "stop", "exited", "stopping", "dead stub"  # why a wait ended
 CRASHED = "crashed"  # it died, or logged it is dying, by a signal it was not asked to stop with (restarts.after_exit)
 SETTLE_S = 2.0  # how long a server whose HTTP port closed without a logged stop signal gets to show why
-CRASH_GRACE_S = 10.0  # how long a crashing server gets to write its stack trace and die before its group is killed
+CRASH_GRACE_S = 10.0  # how long a server that logged a crash gets to write its stack trace and die
 
 
 def seed_adapter_store(store: Path, adapters_dir: Path) -> list[str]:
@@ -210,8 +209,7 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
         if stop or server.signalled():
             reason = STOP if stop else STOPPING
             break
-        if server.crash_signal() is not None or (
-                server.proc.poll() is not None and after_exit(server.proc.returncode, server.signalled()) == RESTART):
+        if server.proc.poll() is not None and after_exit(server.proc.returncode, server.signalled()) == RESTART:
             reason = CRASHED
             break
         if server.proc.poll() is not None or time.monotonic() > deadline:
@@ -228,14 +226,18 @@ def _wait_ready(server: TritonServer, follower, stop: _StopRequest, timeout: flo
 
 def _watch(server: TritonServer, follower, stop: _StopRequest,
            gateway: GatewayProcess | None = None) -> tuple[str, list[int]]:
-    """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB) and the dead stubs.
+    """Follow the log until the launcher has to act: why (STOP, EXITED, STOPPING, DEAD_STUB, CRASHED) and the
+    dead stubs.
 
     The stubs are looked at before the server, so a stub that died before the server exited
-    is among the dead of an EXITED. A gateway that died meanwhile is restarted (it holds no
-    state; Triton is not touched).
+    is among the dead of an EXITED. A log line is believed only with what it implies: a stop
+    line once the HTTP port closed, a crash line once the server died, or stopped answering
+    within CRASH_GRACE_S (wedged in its crash handler); a server that still answers then did
+    not crash, and the line is set aside (a model may have logged text that looks like it).
+    A gateway that died meanwhile is restarted (it holds no state; Triton is not touched).
     """
     stubs, probed = server.stubs(include_dead=True), time.monotonic()  # a stub killed before we look is a zombie
-    reason, dead = STOP, []
+    reason, dead, crash_seen = STOP, [], None
     while not stop:
         dead = [pid for pid in stubs if not process_running(pid)]
         if server.proc.poll() is not None:
@@ -244,12 +246,19 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
         if dead:
             reason = DEAD_STUB
             break
-        if server.signalled():
+        if server.signalled() and not server.http_listening():
             reason = STOPPING
             break
         if server.crash_signal() is not None:
-            reason = CRASHED
-            break
+            crash_seen = crash_seen or time.monotonic()
+            if time.monotonic() - crash_seen > CRASH_GRACE_S:
+                if not server.is_ready():
+                    reason = CRASHED
+                    break
+                print(f"loraplex-serve: the log says tritonserver got signal {server.crash_signal()}, but it still "
+                      f"serves {CRASH_GRACE_S:g} s later: not a crash of it, ignored", file=sys.stderr, flush=True)
+                server.forget_crash_signal()
+                crash_seen = None
         if time.monotonic() - probed > 1.0:
             probed = time.monotonic()
             if not server.http_listening():
@@ -269,7 +278,8 @@ def _watch(server: TritonServer, follower, stop: _StopRequest,
 
 
 def _port_closed(server: TritonServer) -> str:
-    """Why the HTTP port closed: a stop (it logged the signal) or an exit (a crash) within SETTLE_S; else STOPPING.
+    """Why the HTTP port closed: a stop (it logged the signal) or an exit within SETTLE_S; a crash (it logged one);
+    else STOPPING.
 
     Triton closes the port first thing when told to stop; a crashing process closes it as it dies.
     """
@@ -277,18 +287,21 @@ def _port_closed(server: TritonServer) -> str:
     while time.monotonic() < deadline:
         if server.signalled():
             return STOPPING
-        if server.crash_signal() is not None:
-            return CRASHED
         if server.proc.poll() is not None:
             return EXITED
         time.sleep(0.05)
-    return STOPPING
+    return CRASHED if server.crash_signal() is not None else STOPPING
+
+
+def _stopped_by_someone(server: TritonServer) -> bool:
+    """It logged a stop signal and then closed its HTTP port or exited, as a stop does."""
+    return server.signalled() and (server.proc.poll() is not None or not server.http_listening())
 
 
 def _fault(server: TritonServer, reason: str) -> str:
-    """``reason`` once its cause is known: a dead stub, a crash or an exit after a logged stop signal is someone's
-    stop (STOPPING); an exit by a signal of its own is CRASHED (restarts.after_exit)."""
-    if reason in (EXITED, DEAD_STUB, CRASHED) and server.signalled():
+    """``reason`` once its cause is known: a dead stub, a crash or an exit of a server someone stopped is STOPPING;
+    an exit by a signal of its own is CRASHED (restarts.after_exit)."""
+    if reason in (EXITED, DEAD_STUB, CRASHED) and _stopped_by_someone(server):
         return STOPPING  # the stop unloads the model: its stubs exit, and Triton may crash past its exit timeout
     if reason == EXITED and after_exit(server.proc.returncode, False) == RESTART:
         return CRASHED
@@ -296,17 +309,10 @@ def _fault(server: TritonServer, reason: str) -> str:
 
 
 def _crash_name(server: TritonServer) -> str:
-    """The signal a crashing server dies by: the one it logged (SIGABRT, SIGSEGV), else the one it died of.
-
-    A server that logged its crash gets CRASH_GRACE_S to write its stack trace and die on its own."""
-    logged = server.crash_signal()
-    if logged is not None:
-        try:
-            server.proc.wait(timeout=CRASH_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass  # stuck in its crash handler: killed with its group
-        return signal_name(-logged)
-    return signal_name(server.proc.returncode)
+    """The signal a crashed server died by (a wedged one: the signal it logged)."""
+    if server.proc.poll() is not None and server.proc.returncode < 0:
+        return signal_name(server.proc.returncode)
+    return signal_name(-server.crash_signal()) if server.crash_signal() is not None else "a signal"
 
 
 def _announce(server: TritonServer, run: int, stop: _StopRequest, example: dict, gateway: GatewayProcess | None) -> bool:

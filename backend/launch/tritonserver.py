@@ -421,9 +421,13 @@ class TritonServer:
         self._scan_log()
         return self._crash_signal
 
+    def forget_crash_signal(self) -> None:
+        """Set aside the crash line seen so far (the launcher found the server still serving after it)."""
+        self._crash_signal = None
+
     def _scan_log(self) -> None:
         """Read what this run appended to the log since the last look; note each whole "Signal (N)" line."""
-        if self._signalled or self.log_path is None:
+        if self.log_path is None:
             return
         try:
             with open(self.log_path, "rb") as f:

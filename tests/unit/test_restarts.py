@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import signal
+import time
 from contextlib import redirect_stderr
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,40 +27,40 @@ class FakeClock:
 
 
 class _Proc:
-    def __init__(self, returncode: int):
-        self.returncode, self.waited = returncode, []
+    def __init__(self, returncode: int | None):
+        self.returncode = returncode
 
-    def poll(self) -> int:
-        return self.returncode
-
-    def wait(self, timeout: float) -> int:
-        self.waited.append(timeout)
+    def poll(self) -> int | None:
         return self.returncode
 
 
 class FakeServer:
-    """Each start() begins the next planned run: ready at once, then found exited with (returncode, logged stop),
-    or with (returncode, logged stop, the crash signal it logged)."""
+    """Each start() begins the next planned run: ready at once, then as planned: (returncode, logged a stop), or
+    (returncode, logged a stop, the crash signal it logged, whether it still answers, whether its HTTP port listens).
+    A returncode of None: it still runs."""
 
     http_url, grpc_url, metrics_url, http_port, env = "http://h:1", "h:2", "http://h:3/metrics", 1, {}
     exit_timeout_secs, ready_timeout, log_path = 5, 1.0, Path("/nonexistent/tritonserver.log")
 
-    def __init__(self, runs: list[tuple[int, bool]]):
+    def __init__(self, runs: list[tuple]):
         self.runs, self.starts, self.stops = runs, 0, []
-        self.proc, self.logged_stop, self.logged_crash = None, False, None
+        self.proc, self.logged_stop, self.logged_crash, self.serving, self.listening = None, False, None, True, False
+        self.readiness_asked = 0
 
     @property
     def pid(self) -> int:
         return 100 + self.starts
 
     def start(self):
-        returncode, self.logged_stop, *crash = self.runs[self.starts]
-        self.proc, self.logged_crash = _Proc(returncode), (crash or [None])[0]
+        returncode, self.logged_stop, self.logged_crash, self.serving, self.listening = \
+            (*self.runs[self.starts], None, True, False)[:5]
+        self.proc, self.readiness_asked = _Proc(returncode), 0
         self.starts += 1
         return self
 
     def is_ready(self) -> bool:
-        return True
+        self.readiness_asked += 1
+        return self.readiness_asked == 1 or self.serving  # ready at first, then as planned
 
     def signalled(self) -> bool:
         return self.logged_stop
@@ -66,14 +68,19 @@ class FakeServer:
     def crash_signal(self) -> int | None:
         return self.logged_crash
 
+    def forget_crash_signal(self) -> None:
+        self.logged_crash = None
+
     def stubs(self, include_dead: bool = False) -> list[int]:
         return []
 
     def http_listening(self) -> bool:
-        return False
+        return self.listening
 
     def stop(self, grace: float = 10.0):
         self.stops.append(grace)
+        if self.proc.returncode is None:
+            self.proc.returncode = -signal.SIGKILL if grace == 0 else 0
         return self.proc.returncode
 
     def log_tail(self, max_bytes: int = 8000) -> str:
@@ -81,19 +88,22 @@ class FakeServer:
 
 
 class StopAfter:
-    """A stop request that is on once the server has been started ``n`` times."""
+    """A stop request that is on once the server has been started ``n`` times (and asked ``looks`` times more)."""
 
-    def __init__(self, server: FakeServer, n: int):
-        self.server, self.n = server, n
+    def __init__(self, server: FakeServer, n: int, looks: int = 0):
+        self.server, self.n, self.looks = server, n, looks
 
     def __bool__(self) -> bool:
-        return self.server.starts >= self.n
+        if self.server.starts < self.n:
+            return False
+        self.looks -= 1
+        return self.looks < 0
 
 
-def run_serve(runs: list[tuple[int, bool]], budget: RestartBudget, stop_after: int = 99) -> tuple[int, str, FakeServer]:
+def run_serve(runs: list[tuple], budget: RestartBudget, stop_after: int = 99, looks: int = 0):
     server, err = FakeServer(runs), io.StringIO()
     with redirect_stderr(err):
-        rc = serve(server, StopAfter(server, stop_after), {"lora_name": None}, quiet=True, budget=budget)
+        rc = serve(server, StopAfter(server, stop_after, looks), {"lora_name": None}, quiet=True, budget=budget)
     return rc, err.getvalue(), server
 
 
@@ -118,11 +128,27 @@ def test_only_a_death_by_a_signal_it_was_not_asked_to_stop_with_is_restarted(ret
         assert f"tritonserver exited with code {returncode}" in err and "restarting" not in err
 
 
-def test_a_logged_crash_is_restarted_once_the_server_had_its_grace_to_die():
-    """Triton logs "Signal (6) received." and a stack trace before it dies: the crash is seen at the log line."""
-    rc, err, server = run_serve([(None, False, int(signal.SIGABRT)), (0, False)], RestartBudget(), stop_after=2)
-    assert rc == 0 and server.starts == 2
+def test_a_logged_crash_of_a_server_that_stopped_answering_is_restarted(monkeypatch):
+    """Wedged in its crash handler: "Signal (6) received." logged, alive, not answering past the grace."""
+    monkeypatch.setattr("loraplex.launch.serve.CRASH_GRACE_S", 0.0)
+    rc, err, server = run_serve([(None, False, int(signal.SIGABRT), False, True), (0, False)], RestartBudget(),
+                                stop_after=2)
+    assert rc == 0 and server.starts == 2 and server.stops[0] == 0
     assert "tritonserver died by SIGABRT (it was not asked to stop); restarting tritonserver" in err
+
+
+def test_log_lines_are_believed_only_with_what_they_imply(monkeypatch):
+    """A crash line from a server that still answers, a stop line from one whose port stays open: nothing is done."""
+    monkeypatch.setattr("loraplex.launch.serve.CRASH_GRACE_S", 0.0)
+    monkeypatch.setattr("loraplex.launch.serve.time", SimpleNamespace(monotonic=time.monotonic,
+                                                                       sleep=lambda s: time.sleep(s / 25)))
+    rc, err, server = run_serve([(None, True, int(signal.SIGABRT), True, True)], RestartBudget(), stop_after=1,
+                                looks=3)  # the stop request's look before the run, then two rounds of the watch
+    assert rc == 0 and server.starts == 1 and server.stops == []  # the operator's stop request ended it
+    assert "the log says tritonserver got signal 6, but it still serves 0 s later: not a crash of it, ignored" in err
+    assert "shutting down" not in err and "restarting" not in err
+    rc, err, server = run_serve([(None, True)], RestartBudget())  # the port closed: someone's stop
+    assert rc == 1 and "tritonserver is shutting down (signalled by someone else)" in err
 
 
 def test_the_budget_allows_max_restarts_in_any_window():
