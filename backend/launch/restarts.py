@@ -4,9 +4,9 @@ A fault is a dead Python-backend stub (Triton 2.51 never restarts a decoupled mo
 or a tritonserver that died by a signal it was not asked to stop with: SIGABRT (the Python
 backend's ``boost::interprocess::lock_exception`` after a stub died), SIGSEGV, SIGKILL
 from the OOM killer. An operator's stop is SIGINT or SIGTERM, which tritonserver logs
-("Signal (15) received.") before it shuts down; a server that logged one is being
-stopped, whatever it dies of afterwards (it often crashes past its exit timeout). A
-server that exits with a status (0 or an error code) ended on its own. In both cases
+("Signal (15) received.") before it closes its ports and shuts down; a server stopped so
+is being stopped whatever it dies of afterwards (it often crashes past its exit timeout).
+A server that exits with a status (0 or an error code) ended on its own. In both cases
 loraplex-serve stops with it (exit 1). Why: docs/decisions/063-launcher-restarts-on-a-crash.md.
 """
 
