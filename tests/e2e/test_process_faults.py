@@ -1,5 +1,5 @@
-"""Process faults under load against a real tritonserver run by loraplex-serve: a killed stub, a tritonserver killed
-by a signal (an abort, the OOM killer), SIGTERM to the server.
+"""Process faults under load against a real tritonserver run by loraplex-serve: a killed stub, a tritonserver that
+aborts, SIGTERM to the server.
 
 What Triton 2.51 does on its own (measured; docs/decisions/027-process-tree-and-faults.md): a decoupled model's dead
 stub is never restarted, its in-flight streams hang until the server exits, and the server
@@ -70,24 +70,21 @@ def _serves_a_request(launcher) -> None:
 
 
 def test_a_tritonserver_killed_by_a_signal_is_restarted_and_serves_again(tmp_path, demo):
-    """SIGABRT under load (what the Python backend's lock_exception does), then SIGKILL (the OOM killer's)."""
+    """SIGABRT under load: what the Python backend's lock_exception does after a stub died. Triton logs it as it logs
+    a SIGTERM ("Signal (6) received."); the launcher restarts it. SIGKILL (the OOM killer's) takes the same path
+    (tests/unit/test_restarts.py)."""
     with launcher_under_load(tmp_path, demo["model"], n=2) as (launcher, server, streams):
         os.kill(server.pid, signal.SIGABRT)
         wait_ended(streams, timeout=30)
-        for s in streams:  # cut (UNAVAILABLE), or ended by the model while Triton's crash handler runs
+        for s in streams:  # cut as it dies (UNAVAILABLE), or ended by the model if it saw the shutdown first
             kind, _, text = s.only_ending()
             assert kind == "error" and ("UNAVAILABLE" in text or "the model is shutting down" in text), text
         again = launcher.wait_serving(not_pid=server.pid)
         _serves_a_request(launcher)
-        os.kill(again.pid, signal.SIGKILL)
-        third = launcher.wait_serving(not_pid=again.pid)
-        _serves_a_request(launcher)
-        assert launcher.wait_stderr("tritonserver is serving again (restart 2)"), launcher.stderr()
-        for name in ("SIGABRT", "SIGKILL"):
-            assert f"tritonserver died by {name} (it was not asked to stop); restarting tritonserver" in \
-                launcher.stderr()
-        wait_gone({server.pid, again.pid}, timeout=10)  # the old servers' groups, stubs included, are gone
-        assert any(p.comm == STUB_COMM for p in descendants(third.pid))
+        assert launcher.wait_stderr("tritonserver is serving again (restart 1)"), launcher.stderr()
+        assert "tritonserver died by SIGABRT (it was not asked to stop); restarting tritonserver" in launcher.stderr()
+        wait_gone({server.pid}, timeout=10)  # the old server's group, stubs included, is gone
+        assert any(p.comm == STUB_COMM for p in descendants(again.pid))
 
 
 def test_sigterm_to_the_server_ends_each_in_flight_stream_once_within_the_exit_timeout(tmp_path, demo):
