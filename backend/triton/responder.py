@@ -37,7 +37,7 @@ class Pending:
     exclude_input: bool
     returns: dict
     n: int
-    texts: list = field(default_factory=list)
+    texts: list = field(default_factory=list)  # per sample, its unsent text pieces (joined once, when sent)
     num_tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish: list = field(default_factory=list)
@@ -52,7 +52,7 @@ class Pending:
 
     def reset_deltas(self) -> None:
         """After a streamed send, the next response carries only what comes next."""
-        self.texts, self.num_tokens = [""] * self.n, [0] * self.n
+        self.texts, self.num_tokens = [[] for _ in range(self.n)], [0] * self.n
         self.logprobs = [[] for _ in range(self.n)]
 
 
@@ -160,7 +160,8 @@ class Responder:
             self.send_exception(p.sender, out.error, out.request_id)
             return
         i = out.index
-        p.texts[i] += out.text
+        if out.text:
+            p.texts[i].append(out.text)
         p.num_tokens[i] += len(out.token_ids)
         p.cumulative[i] = out.cumulative_logprob
         p.num_input_tokens = out.num_input_tokens
@@ -203,7 +204,7 @@ class Responder:
 
     def _response(self, p: Pending, done: bool):
         pb = self.pb
-        texts = p.texts if p.exclude_input else [p.prompt + t for t in p.texts]
+        texts = ["".join(t) if p.exclude_input else "".join([p.prompt, *t]) for t in p.texts]
         tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_))]
         r = p.returns
         if r["return_finish_reason"]:
