@@ -31,6 +31,7 @@ from loraplex.exceptions import InvalidRequest
 from loraplex.tenancy.tenants import TenantResolver
 from loraplex.triton.metrics_publisher import make_metrics
 from loraplex.triton.model_config import engine_config_from_model_config, generate_model_multi_lora
+from loraplex.triton.parsing import request_parameters
 
 log = logging.getLogger("loraplex.triton.adapters")
 
@@ -202,7 +203,7 @@ class TritonPythonModel:
         return responses
 
     def _handle(self, request) -> dict:
-        parameters = json.loads(request.parameters() or "{}")
+        parameters = request_parameters(request.parameters())
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)

@@ -20,7 +20,7 @@ from loraplex.tenancy.tenants import TenantResolver
 from loraplex.triton.admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
 from loraplex.triton.metrics_publisher import start_publisher
 from loraplex.triton.model_config import engine_config_from_model_config, multi_lora_for
-from loraplex.triton.parsing import parse_generate_input
+from loraplex.triton.parsing import parse_generate_input, request_parameters
 from loraplex.triton.responder import Responder
 
 log = logging.getLogger("loraplex.triton")
@@ -112,7 +112,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             label = OTHER_TENANTS  # no tenant yet: refused before its key was checked
             try:
-                parameters = json.loads(request.parameters() or "{}")
+                parameters = request_parameters(request.parameters())
                 tenant = self.tenants.resolve_tenant(parameters)  # a missing or wrong key: refused before any work
                 label = self.engine.tenant_labels.label(tenant.name, tenant.authenticated)
                 self.admission.submit(self._job(request, sender, parameters, tenant, label))

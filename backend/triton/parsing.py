@@ -37,6 +37,9 @@ class GenerateInput:
 # sampling_parameters over this many bytes is refused before it is parsed: room for a 64 KiB constraint written as
 # JSON-escaped text (up to 6 bytes a character) and every other field at its own bound.
 MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
+# A request's Triton parameters (forwarded headers, HTTP generate's other keys, gRPC parameters) over this many
+# bytes are refused before they are parsed, before the key in them is checked: sampling keys may come this way.
+MAX_REQUEST_PARAMETERS_BYTES = MAX_SAMPLING_PARAMETERS_BYTES + 64 * 1024
 
 # vllm_backend's exact text (its clients compare it word for word).
 STREAM_ECHO_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
@@ -61,6 +64,13 @@ def _flag(inputs: dict, name: str, default: bool) -> bool:
     if name not in inputs:
         return default
     return bool(_scalar(inputs[name], name))
+
+
+def request_parameters(raw: str | None) -> dict:
+    """A Triton request's parameters (its ``parameters()`` JSON) as a dict, refused unparsed past the byte bound."""
+    if raw and len(raw) > MAX_REQUEST_PARAMETERS_BYTES:  # characters >= bytes / 4: checked before encoding
+        raise InvalidRequest(f"the request's parameters are over {MAX_REQUEST_PARAMETERS_BYTES} characters")
+    return json.loads(raw or "{}")
 
 
 def _sampling_json(raw) -> dict:

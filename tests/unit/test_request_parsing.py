@@ -92,3 +92,13 @@ def test_sampling_parameters_over_the_byte_bound_are_refused_before_they_are_par
     body = '{"stop": ["' + "x" * parsing.MAX_SAMPLING_PARAMETERS_BYTES + '"]}'
     with pytest.raises(InvalidRequest, match=f"at most {parsing.MAX_SAMPLING_PARAMETERS_BYTES} are accepted"):
         parse_generate_input({"text_input": text("hi"), "sampling_parameters": text(body)}, {})
+
+
+def test_request_parameters_over_their_bound_are_refused_unparsed(monkeypatch):
+    from loraplex.triton import parsing
+
+    assert parsing.request_parameters('{"x-api-key": "k"}') == {"x-api-key": "k"}
+    assert parsing.request_parameters(None) == {} == parsing.request_parameters("")
+    monkeypatch.setattr(parsing.json, "loads", lambda *_: pytest.fail("parsed"))
+    with pytest.raises(InvalidRequest, match=f"over {parsing.MAX_REQUEST_PARAMETERS_BYTES} characters"):
+        parsing.request_parameters('{"junk": "' + "x" * parsing.MAX_REQUEST_PARAMETERS_BYTES + '"}')
