@@ -348,6 +348,8 @@ def test_signalled_reads_only_this_run_of_the_log_and_finds_a_line_cut_by_a_read
 
 
 def test_a_crash_signal_line_is_told_from_a_stop_and_only_whole_lines_count(tmp_path):
+    from loraplex.launch import tritonserver
+
     """Triton logs SIGABRT / SIGSEGV as it logs SIGTERM ("Signal (6) received."): a crash, not someone's stop."""
     log = tmp_path / "tritonserver.log"
     log.write_bytes(b"")
@@ -361,6 +363,9 @@ def test_a_crash_signal_line_is_told_from_a_stop_and_only_whole_lines_count(tmp_
         assert server.crash_signal() is None
         f.write(b"eived.\n 0# 0x00005572A424352D in tritonserver\nSignal (11) received.\n")
     assert server.crash_signal() == signal.SIGABRT and not server.signalled()  # the first crash line
+    with open(log, "ab") as f:  # read a chunk at a time: a line cut between two chunks is still one
+        f.write(b"x" * (tritonserver._LOG_CHUNK - 4) + b"\nSignal (15) received.\n")
+    assert server.signalled()
 
 
 # ---------------------------------------------------------------- demo builder

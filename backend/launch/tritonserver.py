@@ -242,6 +242,7 @@ _PORT_IN_USE = ("already in use",)
 _SIGNAL_LINE = re.compile(rb"Signal \((\d+)\) received\.\r?")
 STOP_SIGNALS_LOGGED = frozenset({int(signal.SIGINT), int(signal.SIGTERM)})
 _MAX_SIGNAL_LINE = 32  # bytes; a longer partial line cannot be one
+_LOG_CHUNK = 1 << 20  # bytes of the log read at a time: the launcher's memory stays bounded however fast it grows
 
 @dataclass
 class TritonServer:
@@ -426,17 +427,21 @@ class TritonServer:
         self._crash_signal = None
 
     def _scan_log(self) -> None:
-        """Read what this run appended to the log since the last look; note each whole "Signal (N)" line."""
+        """Read what this run appended to the log since the last look, a chunk at a time; note each whole
+        "Signal (N)" line."""
         if self.log_path is None:
             return
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_scanned)
-                new = f.read()
-                self._log_scanned = f.tell()
+                while chunk := f.read(_LOG_CHUNK):
+                    self._scan_chunk(chunk)
+                    self._log_scanned += len(chunk)
         except OSError:
             return
-        *lines, partial = (self._log_partial + new).split(b"\n")
+
+    def _scan_chunk(self, chunk: bytes) -> None:
+        *lines, partial = (self._log_partial + chunk).split(b"\n")
         self._log_partial = partial if len(partial) <= _MAX_SIGNAL_LINE else b"-"  # "-": a long line, not one
         for line in lines:
             found = _SIGNAL_LINE.fullmatch(line)
