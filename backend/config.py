@@ -63,7 +63,7 @@ class EngineConfig:
     native_threads: int = 0  # threads of the native CPU GEMM and decode attention; 0 = auto (native_cpu_threads)
     enforce_eager: bool = False  # CUDA: decode steps launch their kernels one by one instead of replaying CUDA graphs
     stream_interval: int = 1  # served streams: a response carries at least this many new tokens (the first and last: any)
-    grammar_token_budget_ms: float = 10.0  # a constrained sample whose matching takes longer for one token fails; 0 = off
+    grammar_token_budget_ms: float = 5.0  # a constrained sample whose matching takes longer for one token fails; 0 = off
     grammar_mean_budget_ms: float = 1.0  # ... or longer per token on average, after a burst of 10 tokens' budget; 0 = off
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from loraplex.exceptions import InvalidRequest
 
-TOKEN_BUDGET_MS = 10.0  # one token's matching (fill + accept) over this ends the sample's request
+TOKEN_BUDGET_MS = 5.0  # one token's matching (fill + accept) over this ends the sample's request
 MEAN_BUDGET_MS = 1.0  # a sample's matching per token on average, beyond its burst
 BURST_TOKENS = 10  # the allowance holds this many tokens at the per-token cap
 

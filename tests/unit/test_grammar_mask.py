@@ -156,3 +156,11 @@ def test_a_fill_that_raises_raises_at_the_wait_and_settle_waits_quietly():
     assert all(f.done() for f in filling.futures)
     with pytest.raises(RuntimeError, match="fill failed"):
         filling.wait()
+
+
+def test_the_engine_knobs_default_to_the_budgets_defaults():
+    from loraplex.config import EngineConfig
+    from loraplex.worker.grammar_budget import MEAN_BUDGET_MS, TOKEN_BUDGET_MS
+
+    config = EngineConfig()
+    assert (config.grammar_token_budget_ms, config.grammar_mean_budget_ms) == (TOKEN_BUDGET_MS, MEAN_BUDGET_MS)
