@@ -3,10 +3,10 @@ its logits before sampling; then each row's matcher advances by the token it sam
 
 The rows' bitmasks are filled on fill threads, started before the forward pass: a mask depends only on its
 matcher's state after the previous step's accept, and xgrammar's fill releases the GIL, so the fills run
-while the model does. Each row's fill is one native call timed by its thread's CPU clock; the bits are
-unpacked and applied by a few torch ops over all constrained rows at once, on the device the logits are on
-(CPU or CUDA alike). The accept runs on the loop thread, timed the same way; a row over its budget
-(grammar_budget.GrammarBudget) fails its request.
+while the model does. Each row's fill is one native call timed by its thread's CPU clock; the bits become
+additive penalties (0 or -inf, a byte at a time from a 256-entry table) applied by two torch ops over all
+constrained rows at once, on the device the logits are on (CPU or CUDA alike). The accept runs on the loop
+thread, timed the same way; a row over its budget (grammar_budget.GrammarBudget) fails its request.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 
 BITS = 32  # xgrammar's bitmask: int32 words, bit j of word w allows token 32 * w + j
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # as vLLM's structured-output fill pool
+# byte value b -> the penalties of its 8 tokens: 0 where bit k of b is set (allowed), -inf where it is not
+_BYTE_PENALTY = torch.where((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
 
 
 class Filling:
@@ -54,7 +56,7 @@ class GrammarMask:
         self.seconds = {} if seconds is None else seconds
         self.words = -(-vocab_size // BITS)
         self._host = torch.zeros(0, self.words, dtype=torch.int32)
-        self._shifts = torch.arange(BITS, dtype=torch.int32, device=self.device)
+        self._penalties: dict[torch.dtype, torch.Tensor] = {}  # per logits dtype: _BYTE_PENALTY on the device
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
@@ -77,9 +79,14 @@ class GrammarMask:
         (``filling``: this step's fill of these rows, started earlier; else filled now)."""
         n = len(rows)
         words = (filling or self.fill(rows)).wait().to(self.device)
-        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(n, -1)[:, : logits.shape[1]].bool()
+        table = self._penalties.get(logits.dtype)
+        if table is None:
+            table = self._penalties[logits.dtype] = _BYTE_PENALTY.to(self.device, logits.dtype)
+        # each bitmask byte (little-endian words: byte k of word w holds tokens 32w + 8k ... + 7) looked up as its
+        # 8 tokens' penalties; adding 0 leaves a logit as it is, adding -inf masks it (logits are finite here)
+        penalty = torch.nn.functional.embedding(words.view(torch.uint8).long(), table).view(n, -1)
         index = torch.tensor([row for row, _ in rows], dtype=torch.int64, device=logits.device)
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+        logits.index_add_(0, index, penalty[:, : logits.shape[1]])
 
     def advance(self, rows: list[tuple[int, RowMatcher]], tokens: list[int], sample_seqs: list[int],
                 errors: dict[int, Exception]) -> None:

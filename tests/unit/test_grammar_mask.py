@@ -59,6 +59,21 @@ def test_the_mask_equals_xgrammars_apply_on_the_rows_it_names(vocab):
     assert torch.equal(ours[[1, 3]], logits[[1, 3]]) and torch.isinf(ours[rows]).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masked_logits_are_minus_inf_and_the_rest_unchanged_in_every_dtype_held_stops_included(dtype):
+    vocab, gen = 100, torch.Generator().manual_seed(1)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab, generator=gen).to(dtype)
+    logits[2, 7] = float("-inf")  # a stop token held back below min_tokens
+    ours = logits.clone()
+    GrammarMask(vocab, "cpu").apply(ours, [(2, RowMatcher(Fixed(bitmask[0]))), (0, RowMatcher(Fixed(bitmask[1])))])
+    for row, words in ((2, bitmask[0]), (0, bitmask[1])):
+        allowed = [bool(int(words[t // 32]) >> (t % 32) & 1) for t in range(vocab)]
+        want = [v if ok else float("-inf") for v, ok in zip(logits[row].tolist(), allowed)]
+        assert ours[row].tolist() == want
+    assert torch.equal(ours[1], logits[1]) and ours.dtype == dtype
+
+
 def _vocab() -> list[str]:
     """A small vocabulary: JSON's punctuation, digits, letters and a few words."""
     return ["</s>", *'{}[]:," ', *"0123456789", *"abcdefghij", '"a"', '"name"', "true", "false", "null", "ab", "12"]
