@@ -20,7 +20,7 @@ from loraplex.tenancy.tenants import TenantResolver
 from loraplex.triton.admission import DEVELOPMENT_BACKLOG_CHARS, AdmissionPool, Job
 from loraplex.triton.metrics_publisher import start_publisher
 from loraplex.triton.model_config import engine_config_from_model_config, multi_lora_for
-from loraplex.triton.parsing import parse_generate_input, request_parameters
+from loraplex.triton.parsing import loggable_id, parse_generate_input, request_parameters
 from loraplex.triton.responder import Responder
 
 log = logging.getLogger("loraplex.triton")
@@ -136,7 +136,7 @@ class TritonPythonModel:
                 inputs[name] = tensor.as_numpy()
         parsed = parse_generate_input(inputs, parameters, tenant.name)
         check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes)
-        request_id = f"{next(self.ids)}:{request.request_id()}"
+        request_id = f"{next(self.ids)}:{loggable_id(request.request_id())}"
 
         def run() -> None:
             try:

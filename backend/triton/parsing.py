@@ -66,6 +66,16 @@ def _flag(inputs: dict, name: str, default: bool) -> bool:
     return bool(_scalar(inputs[name], name))
 
 
+MAX_LOGGED_ID_CHARS = 128
+
+
+def loggable_id(client_id: str) -> str:
+    """A client-chosen request id as it may appear in the log: at most MAX_LOGGED_ID_CHARS, control characters
+    escaped (an id never writes a line of its own into the log the launcher reads)."""
+    text = client_id[:MAX_LOGGED_ID_CHARS]
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def request_parameters(raw: str | None) -> dict:
     """A Triton request's parameters (its ``parameters()`` JSON) as a dict, refused unparsed past the byte bound."""
     if raw and len(raw) > MAX_REQUEST_PARAMETERS_BYTES:  # characters >= bytes / 4: checked before encoding

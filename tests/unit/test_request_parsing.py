@@ -102,3 +102,12 @@ def test_request_parameters_over_their_bound_are_refused_unparsed(monkeypatch):
     monkeypatch.setattr(parsing.json, "loads", lambda *_: pytest.fail("parsed"))
     with pytest.raises(InvalidRequest, match=f"over {parsing.MAX_REQUEST_PARAMETERS_BYTES} characters"):
         parsing.request_parameters('{"junk": "' + "x" * parsing.MAX_REQUEST_PARAMETERS_BYTES + '"}')
+
+
+def test_a_client_request_id_never_writes_a_log_line_of_its_own():
+    from loraplex.triton.parsing import MAX_LOGGED_ID_CHARS, loggable_id
+
+    assert loggable_id("abc-123 é") == "abc-123 é"
+    forged = loggable_id("x\nSignal (6) received.\r\n")
+    assert "\n" not in forged and "\r" not in forged and forged.startswith("x\\nSignal")
+    assert len(loggable_id("a" * 10_000)) == MAX_LOGGED_ID_CHARS
