@@ -10,6 +10,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.exceptions import InvalidRequest
+from loraplex.worker.grammar_budget import GrammarBudget
 
 # An ambiguous grammar with no end: its matching cost grows with every token (xgrammar's Earley parser keeps
 # every parse), so the default budget ends it within a few dozen tokens on any machine.
@@ -18,9 +19,13 @@ MAX_TOKENS = 200
 NEIGHBOUR_TOKENS = 24
 
 
+TOKEN_MS, MEAN_MS = 4.0, 0.8  # not the defaults: the knobs are seen to reach the runner
+
+
 @pytest.fixture(scope="module")
 def engine(demo):
-    return LLMEngine(EngineConfig(model_dir=str(demo["model"]), multi_lora={"demo-a": str(demo["demo-a"])}))
+    return LLMEngine(EngineConfig(model_dir=str(demo["model"]), multi_lora={"demo-a": str(demo["demo-a"])},
+                                  grammar_token_budget_ms=TOKEN_MS, grammar_mean_budget_ms=MEAN_MS))
 
 
 def _neighbour(engine: LLMEngine, rid: str):
@@ -55,12 +60,13 @@ def test_a_hostile_grammar_is_ended_at_its_budget_and_its_neighbour_keeps_its_ex
     assert engine.snapshot()[("grammar_match_seconds_total", ("mallory",))] == spent["mallory"]
 
 
-def test_the_budget_knobs_reach_the_runner_and_zero_turns_them_off(demo):
-    engine = LLMEngine(EngineConfig(model_dir=str(demo["model"]), grammar_token_budget_ms=0, grammar_mean_budget_ms=0))
-    assert (engine.runner.grammar_budget.token_ms, engine.runner.grammar_budget.mean_ms) == (0, 0)
-    request = engine.make_request("h", "Hello", SamplingParams.from_dict(
+def test_the_knobs_reach_the_runner_and_a_budget_of_zero_lets_the_grammar_run(engine, monkeypatch):
+    budget = engine.runner.grammar_budget
+    assert (budget.token_ms, budget.mean_ms) == (TOKEN_MS, MEAN_MS)
+    monkeypatch.setattr(engine.runner, "grammar_budget", GrammarBudget(token_ms=0, mean_ms=0))
+    request = engine.make_request("free", "Hello", SamplingParams.from_dict(
         {"max_tokens": 40, "temperature": 0, "structured_outputs": {"grammar": HOSTILE}}))
-    outs = engine.generate([request])["h"]
+    outs = engine.generate([request])["free"]
     assert outs[-1].error is None and sum(len(o.token_ids) for o in outs) == 40
     with pytest.raises(ValueError, match="grammar_token_budget_ms"):
         EngineConfig(grammar_token_budget_ms=-1)
