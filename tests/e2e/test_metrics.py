@@ -3,7 +3,8 @@
 One server, a tenants file (so the unauthenticated and quota refusals can be provoked):
 `alpha` runs two requests that succeed (one on an adapter) and uploads an adapter; `beta`
 has one failure of each reason the engine or the glue can be driven to here; `gamma`
-crosses its tokens-per-minute quota; an unknown key is refused as `other`.
+crosses its tokens-per-minute quota; `delta` sends an ambiguous grammar whose matching outgrows its
+budget; an unknown key is refused as `other`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from loraplex.clients.generate import build_inputs, stream_generate
 from loraplex.engine.metrics import EXPORTED_METRICS, FAMILIES, HISTOGRAM
 from loraplex.tenancy.tenants import key_digest
 
-KEYS = {"alpha": "alpha-metrics-key", "beta": "beta-metrics-key", "gamma": "gamma-metrics-key"}
+KEYS = {"alpha": "alpha-metrics-key", "beta": "beta-metrics-key", "gamma": "gamma-metrics-key",
+        "delta": "delta-metrics-key"}
 TENANTS_FILE = Path(tempfile.mkdtemp(prefix="loraplex-metrics-")) / "tenants.json"
 TENANTS_FILE.write_text(json.dumps({"tenants": {
     name: {"api_key_sha256": key_digest(key).hex(), **({"tokens_per_minute": 20} if name == "gamma" else {})}
     for name, key in KEYS.items()}}))
 ALPHA = [("count my tokens", {"max_tokens": 5}), ("and these too", {"max_tokens": 3, "lora_name": "demo-a"})]
 LABELS = {"model": "lora_llm", "version": "1"}
+HOSTILE = 'root ::= x root\nx ::= x y | y x | "a" | "b"\ny ::= x x | "a" | ""'  # no end; matching grows a token
 
 triton_server = make_triton_server_fixture(env={"LORAPLEX_TENANTS_FILE": str(TENANTS_FILE)})
 
@@ -79,6 +82,9 @@ def traffic(triton_server, demo):
     over = generate(triton_server, "gamma", "over quota", {"max_tokens": 2}).error  # 15 reserved + 14 > 20
     assert "tenant quota exceeded: tokens_per_minute=20" in str(over)
     assert generate(triton_server, "nobody", "who am i", {"max_tokens": 2}).error is not None
+    hostile = generate(triton_server, "delta", "Hello", {"max_tokens": 400, "ignore_eos": False,
+                                                         "structured_outputs": {"grammar": HOSTILE}})
+    assert "structured_outputs: matching the grammar took" in str(hostile.error)  # INVALID_ARG, at its budget
     tokenizer = AutoTokenizer.from_pretrained(demo["model"])
     return sum(len(tokenizer(prompt).input_ids) for prompt, _ in ALPHA)
 
@@ -105,6 +111,9 @@ def test_request_counters_per_tenant_and_reason(triton_server, traffic):
     assert scrape(triton_server, "loraplex_request_failure_total", tenant="alpha") is None
     assert scrape(triton_server, "loraplex_request_success_total", tenant="beta") is None
     assert metric(triton_server, "loraplex_request_finished_total", 2, tenant="alpha", finish_reason="length") == 2
+    assert metric(triton_server, "loraplex_request_failure_total", 1, tenant="delta", reason="invalid") == 1
+    assert scrape(triton_server, "loraplex_grammar_match_seconds_total", tenant="delta", **LABELS) > 0
+    assert scrape(triton_server, "loraplex_grammar_match_seconds_total", tenant="alpha") is None
 
 
 def test_latency_histograms_count_each_request_once(triton_server, traffic):
