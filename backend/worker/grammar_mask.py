@@ -11,16 +11,16 @@ thread, timed the same way; a row over its budget (grammar_budget.GrammarBudget)
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from loraplex.exceptions import InvalidRequest
+from loraplex.launch.cpus import usable_cpus
 from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 
 BITS = 32  # xgrammar's bitmask: int32 words, bit j of word w allows token 32 * w + j
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # as vLLM's structured-output fill pool
+FILL_THREADS = max(1, min(8, usable_cpus() // 2))  # as vLLM's structured-output fill pool (half the CPUs)
 # byte value b -> the penalties of its 8 tokens: 0 where bit k of b is set (allowed), -inf where it is not
 _BYTE_PENALTY = torch.where((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
 
@@ -40,13 +40,13 @@ class Filling:
         return self.bitmask
 
     def settle(self) -> None:
-        """Wait for every fill to end, raising nothing (the step failed: no fill may outlive it)."""
+        """Wait for every fill to end, raising nothing (on leaving a step, failed or not: no fill outlives it)."""
         for future in self.futures:
             future.exception()
 
 
 class GrammarMask:
-    """The host bitmask buffer (reused step after step), the fill threads and the bit shifts, for logits
+    """The host bitmask buffer (reused step after step), the fill threads and the penalty tables, for logits
     [rows, vocab_size]; ``seconds`` counts each tenant label's matching CPU time."""
 
     def __init__(self, vocab_size: int, device, budget: GrammarBudget | None = None, threads: int = FILL_THREADS,
