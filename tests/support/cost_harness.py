@@ -49,7 +49,8 @@ def measure(case, sizes: list[int], *, mem_mb: int = 4096, timeout_s: float = 60
     """``case``'s cost at each of ``sizes``, in one fresh subprocess (memory rlimit ``mem_mb`` MiB, ``timeout_s`` of
     wall clock for all); AssertionError when the child runs out of either or fails to build an input."""
     module = sys.modules[case.__module__]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")]),
+               OMP_WAIT_POLICY="PASSIVE")  # as loraplex-serve runs: OpenMP threads spinning on a busy machine are not work
     args = [sys.executable, "-m", "cost_harness", str(Path(module.__file__).resolve()), case.__name__, str(repeats),
             *map(str, sizes)]
     where = f"{case.__name__}({', '.join(map(str, sizes))})"
