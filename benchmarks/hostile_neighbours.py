@@ -2,12 +2,12 @@
 
 Starts ``loraplex-serve`` (SmolLM2, a tenants file of two tenants, the OpenAI gateway), then for each attack: the
 good tenant's greedy chat of ``--tokens`` tokens (streamed, ``ignore_eos``) alone and while the attack runs, and
-another caller's ``GET /v1/models`` polled every 0.1 s meanwhile. The attack is sent again each time it ends (one in
-flight at a time) for as long as the neighbour runs. Prints one row per attack: the neighbour's time alone (median
-of 3) and beside the attack, their ratio (issue 39's goal: at most 1.5), the slowest gateway answer (goal: under
-1 s), how many attacks were sent, the longest, and how the last ended.
+another caller's ``GET /v1/models`` polled every 0.1 s meanwhile. The attack is sent once, 0.3 s into the
+neighbour's stream (``--flood``: again each time it ends, for as long as the neighbour runs). Prints one row per
+attack: the neighbour's time alone just before and beside the attack, their ratio (issue 39's goal: at most 1.5),
+the slowest gateway answer (goal: under 1 s), how many attacks were sent, the longest, and how the last ended.
 
-Usage: .venv/bin/python benchmarks/hostile_neighbours.py [--attacks name,...] [--port 18300] [--tokens 64]
+Usage: .venv/bin/python benchmarks/hostile_neighbours.py [--attacks name,...] [--port 18300] [--tokens 64] [--flood]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,15 +90,15 @@ def attack_adapter_regex_bomb(urls: dict) -> str:
 
 
 def attack_deep_json_schema(urls: dict) -> str:
-    """A JSON schema nested 1,000 deep (about 64 KiB): minutes of xgrammar compile without a killable worker."""
-    schema: dict = {"type": "string"}
-    for _ in range(1000):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    text = json.dumps(schema, separators=(",", ":"))
-    while len(text) > 64 * 1024:
-        schema = schema["properties"]["a"]
-        text = json.dumps(schema, separators=(",", ":"))
-    return _outcome(_chat(urls["gateway"], KEYS["mallory"], structured_outputs={"json": schema}))
+    """A JSON schema of objects nested 400 deep (24 KiB; 8.8 s of xgrammar compile on the old code; deeper bodies stop
+    at the JSON parser's recursion bound)."""
+    depth = 400
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + '},"required":["a"]}' * depth
+    body = ('{"model": "base", "max_tokens": 16, "temperature": 0, "messages": ' + json.dumps(MESSAGES)
+            + ', "structured_outputs": {"json": ' + schema + "}}")
+    return _outcome(requests.post(f"{urls['gateway']}/v1/chat/completions", data=body, timeout=600,
+                                  headers={"authorization": f"Bearer {KEYS['mallory']}",
+                                           "content-type": "application/json"}))
 
 
 def attack_ambiguous_grammar(urls: dict) -> str:
@@ -193,6 +192,9 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
     parser.add_argument("--port", type=int, default=18300, help="Triton HTTP port; gRPC, metrics, gateway: +1..+3")
     parser.add_argument("--tokens", type=int, default=64, help="the neighbour's greedy tokens")
+    parser.add_argument("--flood", action="store_true",
+                        help="send each attack again as soon as it ends, for the whole of the neighbour's stream "
+                             "(a flood, which a proxy's rate limit bounds), instead of once")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="loraplex-hostile-"))
     server, urls = start_server(work, args.port)
@@ -200,23 +202,28 @@ def main() -> None:
         for _ in range(2):
             neighbour(urls["gateway"], args.tokens)
         requests.get(f"{urls['gateway']}/v1/models", headers={"authorization": f"Bearer {KEYS['good']}"}, timeout=60)
-        alone = statistics.median(neighbour(urls["gateway"], args.tokens) for _ in range(3))
-        print(f"neighbour alone: {alone:.2f} s for {args.tokens} greedy tokens (median of 3)", flush=True)
-        print("| attack | neighbour beside (s) | ratio | slowest /v1/models (s) | attacks sent | longest attack (s) | "
-              "how the last ended |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"neighbour: {args.tokens} greedy tokens; each attack {'repeated back to back' if args.flood else 'sent once'}, "
+              "0.3 s into the neighbour's stream", flush=True)
+        print("| attack | neighbour alone, just before (s) | beside (s) | ratio | slowest /v1/models (s) | attacks sent | "
+              "longest attack (s) | how the last ended |")
+        print("|---|---|---|---|---|---|---|---|")
         for name in args.attacks.split(","):
-            stop = threading.Event()
-            with ThreadPoolExecutor(2) as pool:
-                attacks = pool.submit(repeat_attack, ATTACKS[name], urls, stop)
-                poller = pool.submit(poll_models, urls["gateway"], stop)
+            alone = neighbour(urls["gateway"], args.tokens)
+            polling, flooding = threading.Event(), threading.Event()
+            if not args.flood:
+                flooding.set()  # one attack only
+            with ThreadPoolExecutor(3) as pool:
+                poller = pool.submit(poll_models, urls["gateway"], polling)
+                beside = pool.submit(neighbour, urls["gateway"], args.tokens)
                 time.sleep(0.3)
-                beside = neighbour(urls["gateway"], args.tokens)
-                stop.set()
+                attacks = pool.submit(repeat_attack, ATTACKS[name], urls, flooding)
+                beside = beside.result()
+                flooding.set()
                 count, longest, outcome = attacks.result()
+                polling.set()
                 slowest = poller.result()
-            print(f"| {name} | {beside:.2f} | {beside / alone:.2f} | {slowest:.2f} | {count} | {longest:.1f} | "
-                  f"{outcome.replace('|', '/')} |", flush=True)
+            print(f"| {name} | {alone:.2f} | {beside:.2f} | {beside / alone:.2f} | {slowest:.2f} | {count} | "
+                  f"{longest:.1f} | {outcome.replace('|', '/')} |", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
