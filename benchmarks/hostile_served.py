@@ -7,7 +7,7 @@ neighbour's stream (``--flood``: again each time it ends, for as long as the nei
 attack: the neighbour's time alone just before and beside the attack, their ratio (issue 39's goal: at most 1.5),
 the slowest gateway answer (goal: under 1 s), how many attacks were sent, the longest, and how the last ended.
 
-Usage: .venv/bin/python benchmarks/hostile_neighbours.py [--attacks name,...] [--port 18300] [--tokens 64] [--flood]
+Usage: .venv/bin/python benchmarks/hostile_served.py [--attacks name,...] [--port 18300] [--tokens 64] [--flood]
 """
 
 from __future__ import annotations
