@@ -9,10 +9,11 @@ import torch
 from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the gated MLP's activation (the same function under two names)
 
 
 def load_hf_config(model_dir: str):
-    """The checkpoint's transformers config; rejects architectures we do not implement."""
+    """The checkpoint's transformers config; rejects architectures and activations we do not implement."""
     from transformers import AutoConfig
 
     if not (Path(model_dir) / "config.json").is_file():
@@ -21,6 +22,10 @@ def load_hf_config(model_dir: str):
     archs = getattr(config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"{model_dir}: architectures {archs} not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{model_dir}: hidden_act {activation!r} is not implemented (only {', '.join(SUPPORTED_ACTIVATIONS)}"
+                         "): its MLP would be served wrong")
     return config
 
 
