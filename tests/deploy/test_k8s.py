@@ -454,3 +454,26 @@ def test_envoy_pods_serve_its_listeners():
     sleep = int(shlex.split(drain.split("sleep")[-1])[0])
     assert sleep == drain_time and find("Deployment", "loraplex-envoy")["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"] > drain_time
+
+
+def test_envoy_bounds_http_bodies_before_tritonserver_reads_them():
+    """tritonserver reads an HTTP body of any size before the key in it is checked: Envoy's buffer filter bounds
+    it first (16 MiB; an adapter upload 260 MiB; the gateway's own routes bound their bodies themselves)."""
+    config = envoy_config()
+    listener = next(x for x in config["static_resources"]["listeners"] if x["name"] == "triton_http")
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
+    assert hcm["http_filters"][0]["typed_config"]["max_request_bytes"] == 16 << 20
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+
+    def per_route(path: str) -> dict:
+        import re
+
+        route = next(r for r in routes if ("prefix" in r["match"] and path.startswith(r["match"]["prefix"]))
+                     or ("safe_regex" in r["match"] and re.fullmatch(r["match"]["safe_regex"]["regex"], path)))
+        return route.get("typed_per_filter_config", {}).get("envoy.filters.http.buffer", {})
+
+    assert per_route("/v2/models/lora_llm/generate") == {}  # the listener's 16 MiB
+    assert per_route("/v2/models/lora_adapters/infer")["buffer"]["max_request_bytes"] == 260 << 20
+    assert per_route("/v1/lora_adapters")["disabled"] is True
