@@ -38,8 +38,8 @@ class GenerateInput:
 # JSON-escaped text (up to 6 bytes a character) and every other field at its own bound.
 MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
 # A request's Triton parameters (forwarded headers, HTTP generate's other keys, gRPC parameters) over this many
-# bytes are refused before they are parsed, before the key in them is checked: sampling keys may come this way.
-MAX_REQUEST_PARAMETERS_BYTES = MAX_SAMPLING_PARAMETERS_BYTES + 64 * 1024
+# characters are refused before they are parsed, before the key in them is checked: sampling keys may come this way.
+MAX_REQUEST_PARAMETERS_CHARS = MAX_SAMPLING_PARAMETERS_BYTES + 64 * 1024
 
 # vllm_backend's exact text (its clients compare it word for word).
 STREAM_ECHO_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
@@ -77,9 +77,9 @@ def loggable_id(client_id: str) -> str:
 
 
 def request_parameters(raw: str | None) -> dict:
-    """A Triton request's parameters (its ``parameters()`` JSON) as a dict, refused unparsed past the byte bound."""
-    if raw and len(raw) > MAX_REQUEST_PARAMETERS_BYTES:  # characters >= bytes / 4: checked before encoding
-        raise InvalidRequest(f"the request's parameters are over {MAX_REQUEST_PARAMETERS_BYTES} characters")
+    """A Triton request's parameters (its ``parameters()`` JSON) as a dict, refused unparsed past the bound."""
+    if raw and len(raw) > MAX_REQUEST_PARAMETERS_CHARS:
+        raise InvalidRequest(f"the request's parameters are over {MAX_REQUEST_PARAMETERS_CHARS} characters")
     return json.loads(raw or "{}")
 
 

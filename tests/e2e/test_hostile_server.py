@@ -213,12 +213,12 @@ def test_a_megabyte_prompt_is_refused_over_grpc_and_http(triton_server):
 
 
 def test_request_parameters_over_their_bound_are_refused_unparsed_and_the_server_serves_on(triton_server):
-    from loraplex.triton.parsing import MAX_REQUEST_PARAMETERS_BYTES
+    from loraplex.triton.parsing import MAX_REQUEST_PARAMETERS_CHARS
 
-    body = {"text_input": "hi", "junk": "x" * (MAX_REQUEST_PARAMETERS_BYTES + 1)}  # generate: other keys are parameters
+    body = {"text_input": "hi", "junk": "x" * (MAX_REQUEST_PARAMETERS_CHARS + 1)}  # generate: other keys are parameters
     answer = requests.post(f"{triton_server.http_url}/v2/models/lora_llm/generate", json=body, timeout=BOUND_S)
     assert answer.status_code == 400
-    assert answer.json()["error"] == f"the request's parameters are over {MAX_REQUEST_PARAMETERS_BYTES} characters"
+    assert answer.json()["error"] == f"the request's parameters are over {MAX_REQUEST_PARAMETERS_CHARS} characters"
     result = stream_generate(triton_server.grpc_url, "still here", {"max_tokens": 2, "ignore_eos": True})
     assert result.error is None and result.final_count == 1
     assert_idle(triton_server)

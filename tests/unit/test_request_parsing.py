@@ -100,8 +100,8 @@ def test_request_parameters_over_their_bound_are_refused_unparsed(monkeypatch):
     assert parsing.request_parameters('{"x-api-key": "k"}') == {"x-api-key": "k"}
     assert parsing.request_parameters(None) == {} == parsing.request_parameters("")
     monkeypatch.setattr(parsing.json, "loads", lambda *_: pytest.fail("parsed"))
-    with pytest.raises(InvalidRequest, match=f"over {parsing.MAX_REQUEST_PARAMETERS_BYTES} characters"):
-        parsing.request_parameters('{"junk": "' + "x" * parsing.MAX_REQUEST_PARAMETERS_BYTES + '"}')
+    with pytest.raises(InvalidRequest, match=f"over {parsing.MAX_REQUEST_PARAMETERS_CHARS} characters"):
+        parsing.request_parameters('{"junk": "' + "x" * parsing.MAX_REQUEST_PARAMETERS_CHARS + '"}')
 
 
 def test_a_client_request_id_never_writes_a_log_line_of_its_own():
