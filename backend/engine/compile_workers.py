@@ -269,6 +269,8 @@ class CompileWorkers:
             try:
                 item.future.set_result(item.then(self._run(slot, item.job)))
             except BaseException as exc:  # noqa: BLE001 - the caller gets every failure
+                if self._closed and not isinstance(exc, WorkerLost):  # close() killed the worker mid-job (a pipe
+                    exc = WorkerLost("the compile workers were closed")  # read may then fail with EBADF)
                 item.future.set_exception(exc)
             if slot.worker is None and not self._closed:  # killed: its successor loads xgrammar meanwhile
                 try:
