@@ -1,7 +1,9 @@
-"""LLaMA-family forward (Llama, Mistral, Qwen2) over a paged KV cache with per-token LoRA."""
+"""The decoder every supported family shares (models.family: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4,
+Mixtral, Qwen3-MoE) over a paged KV cache with per-token LoRA."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -13,7 +15,9 @@ import torch.nn.functional as F
 from loraplex import kernels
 from loraplex.kernels import cpu_native
 from loraplex.lora.backends.base import LoraPlan
-from loraplex.lora.shapes import MODULES, PARENTS
+from loraplex.lora.shapes import MODULES, PARENTS, module_shapes
+from loraplex.kernels import reference
+from loraplex.models.family import CHECKPOINT_FUSED, FAMILIES as FAMILY_ARCHITECTURES, Family, family_of, rope_settings
 from loraplex.models.loader import load_hf_config, load_safetensors
 from loraplex.models.rope import RotaryEmbedding
 
@@ -55,8 +59,32 @@ def _fused_bias(layer: dict, parts: tuple[str, ...]) -> torch.Tensor | None:
     return torch.cat([b if b is not None else layer[m].new_zeros(layer[m].shape[0]) for b, m in zip(biases, parts)])
 
 
+def split_checkpoint_fused(w: dict, architecture: str, num_layers: int, sizes: dict[str, list[int]]) -> None:
+    """A checkpoint's fused projections (Phi-3's qkv_proj, gate_up_proj) split in place into ours, along the output;
+    sizes: each of our modules' output width."""
+    for fused, parts in CHECKPOINT_FUSED.get(architecture, {}).items():
+        for i in range(num_layers):
+            name = f"model.layers.{i}.{PARENTS[parts[0]]}.{fused}"
+            for suffix in (".weight", ".bias"):
+                t = w.pop(name + suffix, None)
+                if t is not None:
+                    for m, piece in zip(parts, t.split([sizes[m] for m in parts])):
+                        w[f"model.layers.{i}.{PARENTS[m]}.{m}{suffix}"] = piece.contiguous()
+
+
+def _llama_family(cfg, head_dim: int) -> Family:
+    """Llama's quirks (none): a config built by hand, without a known architecture (benchmarks' shapes)."""
+    n = int(cfg.num_hidden_layers)
+    return Family("LlamaForCausalLM", attn_scale=head_dim**-0.5, layer_windows=(None,) * n,
+                  layer_rope=("default",) * n, rotary_dim=head_dim)
+
+
 class LlamaModel:
-    """Weights of a LLaMA-family checkpoint and its forward pass.
+    """Weights of a checkpoint of any supported family and its forward pass.
+
+    ``family`` (models.family) holds the checkpoint's quirks. A Llama-like family keeps every fast path
+    (packed or fused projections, the native one-call decode); the others run the per-op forward, whose
+    steps cover each quirk, with packed projections where the CPU packs them.
 
     ``fp16_weights`` (CPU, fp32): the projections and ``lm_head`` keep their weights in fp16
     and multiply in fp32 (kernels.packed_linear: the native GEMM, else FBGEMM), reading half the
@@ -78,19 +106,28 @@ class LlamaModel:
         self.eps = cfg.rms_norm_eps
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len or cfg.max_position_embeddings
-        self.scale = self.head_dim**-0.5
+        known = any(a in FAMILY_ARCHITECTURES for a in (getattr(cfg, "architectures", None) or []))
+        fam = family_of(cfg, self.head_dim) if known else _llama_family(cfg, self.head_dim)
+        # a window no shorter than the longest sequence changes nothing: full attention keeps the fast paths
+        windows = tuple(w if w is not None and w < self.max_len else None for w in fam.layer_windows)
+        self.family = fam = dataclasses.replace(fam, layer_windows=windows)
+        self.scale = fam.attn_scale
         # ops whose kernel cannot serve this model -> why (logged once); they take the torch path
         self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
         native = kernels.native_layer_ops(device, dtype, self.head_dim)
         self.ops = cpu_native if native else kernels  # the layer ops it calls: native directly, or dispatched
         w = load_safetensors(model_dir, dtype, device)
+        split_checkpoint_fused(w, fam.architecture, self.num_layers, {m: o for m, (_, o) in module_shapes(cfg).items()})
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
         if self.lm_head is None:
             self.lm_head = self.embed  # tied embeddings
-        self.norm = w.pop("model.norm.weight")
+        self.norm = self._norm_weight(w.pop("model.norm.weight"))
+        self.embed_scale = None if fam.embed_scale is None else torch.tensor(fam.embed_scale, dtype=dtype, device=device)
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
-        self.rope = RotaryEmbedding(cfg, self.head_dim, self.max_len, device, dtype)
+        self.ropes = {t: RotaryEmbedding(rope_settings(cfg, t), fam.rotary_dim, self.max_len, device, dtype)
+                      for t in dict.fromkeys(fam.layer_rope)}
+        self.rope = self.ropes[fam.layer_rope[0]]
         self.fp16_weights = fp16_weights
         self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.linear_pack
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
@@ -124,16 +161,18 @@ class LlamaModel:
             self.lm_head = self.lm_head.half().float() if half else None  # fp32: only the panels are read
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
-        self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
+        self.fused_sizes = self._fused_sizes()
         pack = functools.partial(kernels.linear_pack, half=half)
         for layer in self.layers:
-            packed = {m: pack(layer[m], layer.get(m + ".bias")) for m in MODULES if m not in fused_modules}
+            packed = {m: pack(layer[m], layer.get(m + ".bias"))
+                      for m in MODULES if m not in fused_modules and layer.get(m) is not None}
             for name, parts in FUSED.items():
-                packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                if layer.get(parts[0]) is not None:  # a MoE layer has no gate/up: its experts are models/moe.py's
+                    packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
-        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels):
+        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels) and self.family.llama_like:
             self.native_decode = cpu_native.DecodeForward(
                 [{**layer, **packed} for layer, packed in zip(self.layers, self.packed)], self.norm, self.rope.cos,
                 self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
@@ -141,15 +180,22 @@ class LlamaModel:
     def _fuse_base(self) -> None:
         """q/k/v and gate/up concatenated once into one weight each (one GEMM, its output split by views:
         decision 057); the separate weights are dropped."""
-        self.fused_sizes = {name: [self.layers[0][m].shape[0] for m in parts] for name, parts in FUSED.items()}
+        self.fused_sizes = self._fused_sizes()
         self.fused_weights = []
         for layer in self.layers:
             fused = {}
             for name, parts in FUSED.items():
+                if layer.get(parts[0]) is None:
+                    continue
                 fused[name] = (torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
                 for m in parts:
                     layer[m] = None
             self.fused_weights.append(fused)
+
+    def _fused_sizes(self) -> dict[str, list[int]]:
+        """FUSED name -> its modules' output widths."""
+        shapes = module_shapes(self.config)
+        return {name: [shapes[m][1] for m in parts] for name, parts in FUSED.items()}
 
     def base_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One projection's base weight [out, in] and bias (None without), for DoRA's norms at adapter load:
@@ -158,27 +204,47 @@ class LlamaModel:
         if w is None:
             from safetensors import safe_open
 
-            name = f"model.layers.{layer}.{PARENTS[module]}.{module}.weight"
+            fused = next(((f, parts) for f, parts in CHECKPOINT_FUSED.get(self.family.architecture, {}).items()
+                          if module in parts), None)
+            name = f"model.layers.{layer}.{PARENTS[module]}.{fused[0] if fused else module}.weight"
             for f in sorted(Path(self.model_dir).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as st:
                     if name in st.keys():
                         w = st.get_tensor(name)
                         break
+            if fused is not None and w is not None:
+                widths = [module_shapes(self.config)[m][1] for m in fused[1]]
+                w = w.split(widths)[fused[1].index(module)]
         return w, bias
 
-    @staticmethod
-    def _take_layer(w: dict, i: int) -> dict:
-        p = f"model.layers.{i}."
-        names = {
-            "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-            "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-            "down_proj": "mlp.down_proj",
-        }
-        layer = {m: w.pop(p + n + ".weight") for m, n in names.items()}
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight as the norm multiplies by it: Gemma's (1 + w), computed in fp32 as HF does."""
+        return (1.0 + weight.float()).to(weight.dtype) if self.family.norm_offset else weight
+
+    def _take_layer(self, w: dict, i: int) -> dict:
+        """Layer i's tensors, popped from the checkpoint's: projections, norms (named by role), experts."""
+        p, fam = f"model.layers.{i}.", self.family
+        moe = None
+        if fam.moe:
+            from loraplex.models.moe import take_moe
+
+            moe = take_moe(w, i, self.config, self.dtype, self.device)
+        modules = MODULES if moe is None else MODULES[:4]
+        layer = {m: w.pop(f"{p}{PARENTS[m]}.{m}.weight") for m in modules}
         for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            layer[m + ".bias"] = w.pop(p + names[m] + ".bias", None)
-        layer["input_norm"] = w.pop(p + "input_layernorm.weight")
-        layer["post_norm"] = w.pop(p + "post_attention_layernorm.weight")
+            layer[m + ".bias"] = w.pop(f"{p}self_attn.{m}.bias", None)
+        if moe is not None:
+            layer["moe"] = moe
+        norms = {"input_norm": "input_layernorm"}
+        if fam.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's; the MLP's come before
+            norms.update(post_attn_norm="post_attention_layernorm", post_norm="pre_feedforward_layernorm",
+                         post_ff_norm="post_feedforward_layernorm")
+        else:
+            norms["post_norm"] = "post_attention_layernorm"
+        if fam.qk_norm:
+            norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+        for role, name in norms.items():
+            layer[role] = self._norm_weight(w.pop(p + name + ".weight"))
         return layer
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraPlan | None) -> torch.Tensor:
@@ -214,39 +280,73 @@ class LlamaModel:
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
         ops, h = self.ops, self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call):
             slots, token_slots = (None, None) if lora is None else (lora.backend.slots, lora.token_slots)
             return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,
                                       kv_cache, slots, token_slots)
-        t, delta = h.shape[0], None
+        delta, fam = None, self.family
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, delta, layer["input_norm"], self.eps)
-            q, k, v = self._projs(i, "qkv", x, lora)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            q, k = ops.rotate_qk(q, k, attn.positions, self.rope.cos, self.rope.signed_sin)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-            if attn.is_decode:
-                o = ops.paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
+            o = self._attention(i, layer, x, attn, kv_cache, lora)
+            if fam.sandwich_norms:
+                o = ops.add_rms_norm(o, None, layer["post_attn_norm"], self.eps)
+            x = ops.add_rms_norm(h, o, layer["post_norm"], self.eps)
+            if "moe" in layer:
+                delta = layer["moe"](x, lora, i)
             else:
-                o = kernels.paged_attention_prefill(
-                    q, k_cache, v_cache, attn.block_tables, attn.cu_query_lens, attn.context_lens, self.scale
-                )
-            x = ops.add_rms_norm(h, self._proj(i, "o_proj", o.reshape(t, -1), lora), layer["post_norm"], self.eps)
-            gate, up = self._projs(i, "gate_up", x, lora)
-            delta = self._proj(i, "down_proj", ops.silu_mul(gate, up), lora)
+                gate, up = self._projs(i, "gate_up", x, lora)
+                act = ops.silu_mul(gate, up) if fam.activation == "silu" else F.gelu(gate, approximate="tanh") * up
+                delta = self._proj(i, "down_proj", act, lora)
+            if fam.sandwich_norms:
+                delta = ops.add_rms_norm(delta, None, layer["post_ff_norm"], self.eps)
         return ops.add_rms_norm(h, delta, self.norm, self.eps)
+
+    def _attention(self, i: int, layer: dict, x, attn: AttentionBatch, kv_cache, lora) -> torch.Tensor:
+        """Layer i's attention block up to o_proj's output [T, hidden]: q/k/v, their norms (Qwen3, Gemma 3),
+        RoPE (all or part of each head), the cache write, paged attention (in a window, soft-capped)."""
+        ops, fam, t = self.ops, self.family, x.shape[0]
+        q, k, v = self._projs(i, "qkv", x, lora)
+        if fam.qk_norm:  # per head, before RoPE
+            q = ops.add_rms_norm(q.reshape(t * self.num_heads, self.head_dim), None, layer["q_norm"], self.eps)
+            k = ops.add_rms_norm(k.reshape(t * self.num_kv_heads, self.head_dim), None, layer["k_norm"], self.eps)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        rope = self.ropes[fam.layer_rope[i]]
+        if fam.rotary_dim == self.head_dim:
+            q, k = ops.rotate_qk(q, k, attn.positions, rope.cos, rope.signed_sin)
+        else:  # partial rotary (Phi-3/4-mini): the first rotary_dim dimensions turn, the rest pass
+            r = fam.rotary_dim
+            qr, kr = reference.rotate_qk(q[..., :r], k[..., :r], attn.positions, rope.cos, rope.signed_sin)
+            q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        variant = {}
+        if fam.layer_windows[i] is not None:
+            variant["window"] = fam.layer_windows[i]
+        if fam.attn_softcap:
+            variant["softcap"] = fam.attn_softcap
+        if attn.is_decode:
+            decode = kernels.paged_attention_decode if variant else ops.paged_attention_decode
+            o = decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale, **variant)
+        else:
+            o = kernels.paged_attention_prefill(q, k_cache, v_cache, attn.block_tables, attn.cu_query_lens,
+                                                attn.context_lens, self.scale, **variant)
+        return self._proj(i, "o_proj", o.reshape(t, -1), lora)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Vocabulary logits in fp32; the CPU's GEMMs write them into `out` [rows, vocab] when given (a buffer
         reused step after step), the others return a new tensor."""
         if self.packed_lm_head is not None:
-            return kernels.packed_linear(hidden, self.packed_lm_head, out)
-        if self.lm_head_t is not None:
-            return torch.mm(hidden, self.lm_head_t, out=out)
-        return F.linear(hidden, self.lm_head).float()
+            logits = kernels.packed_linear(hidden, self.packed_lm_head, out)
+        elif self.lm_head_t is not None:
+            logits = torch.mm(hidden, self.lm_head_t, out=out)
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        cap = self.family.final_softcap
+        return logits if not cap else logits.div_(cap).tanh_().mul_(cap)  # Gemma 2's final soft-cap, as HF
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes across all layers."""

@@ -1,4 +1,4 @@
-"""Read a HF LLaMA-family checkpoint directory (config + safetensors) into plain tensors."""
+"""Read a HF checkpoint directory (config + safetensors) of a supported family into plain tensors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the gated MLP's activation (the same function under two names)
+from loraplex.models.family import ACTIVATIONS, FAMILIES, supported
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)  # the gated MLP's activation
 
 
 def load_hf_config(model_dir: str):
@@ -21,8 +23,10 @@ def load_hf_config(model_dir: str):
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     archs = getattr(config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"{model_dir}: architectures {archs} not supported; supported: {SUPPORTED_ARCHITECTURES}")
-    activation = getattr(config, "hidden_act", "silu")
+        raise ValueError(f"{model_dir}: architectures {archs} is not a family we serve; supported: {supported()}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{model_dir}: use_bidirectional_attention is set (an embedding model): not a causal LM")
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"{model_dir}: hidden_act {activation!r} is not implemented (only {', '.join(SUPPORTED_ACTIVATIONS)}"
                          "): its MLP would be served wrong")

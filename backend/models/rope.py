@@ -1,4 +1,5 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), HF rotate-half layout."""
+"""Rotary position embeddings (default, linear and llama3 scaling), HF rotate-half layout, over all or the
+first ``rotary_dim`` dimensions of a head (partial rotary)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,9 @@ import math
 import torch
 
 
-def _rope_settings(config) -> tuple[float, dict]:
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    settings = dict(params) if params else dict(scaling)
-    return float(theta), settings
-
-
-def inv_frequencies(config, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for the checkpoint's rope settings."""
-    theta, settings = _rope_settings(config)
+def inv_frequencies(settings: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for one layer's rope settings (models.family.rope_settings)."""
+    theta = float(settings.get("rope_theta", 10000.0))
     kind = settings.get("rope_type", settings.get("type", "default")) or "default"
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # as HF
     if kind == "default":
@@ -36,10 +29,10 @@ def inv_frequencies(config, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos and signed sin tables [max_len, head_dim], which kernels.rotate_qk applies to q and k."""
+    """Precomputed cos and signed sin tables [max_len, rotary_dim], which kernels.rotate_qk applies to q and k."""
 
-    def __init__(self, config, head_dim: int, max_len: int, device, dtype):
-        inv = inv_frequencies(config, head_dim).to(device)
+    def __init__(self, settings: dict, head_dim: int, max_len: int, device, dtype):
+        inv = inv_frequencies(settings, head_dim).to(device)
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
