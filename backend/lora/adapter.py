@@ -23,7 +23,8 @@ from safetensors.torch import load as load_safetensors
 
 from loraplex.exceptions import AdapterError
 from loraplex.lora.patterns import MAX_REGEX_CHARS, REGEX_BUDGET_SECONDS, Patterns, check_pattern  # noqa: F401
-from loraplex.lora.shapes import MODULES, PARENTS, module_path, module_shapes, normalize_target
+from loraplex.lora.shapes import (MODULES, PARENTS, checkpoint_modules, module_path, module_shapes,
+                                  normalize_target)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -268,7 +269,9 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     settings = _parse_config(config_bytes, where)
     num_layers = int(hf_config.num_hidden_layers)
     shapes = module_shapes(hf_config)
-    targeted = _targeted_modules(settings, num_layers, where, patterns)
+    named = checkpoint_modules(hf_config)  # what the adapter's names may be -> our modules each holds
+    order = list(named)
+    targeted = _targeted_modules(settings, num_layers, where, patterns, order)
     try:
         check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config, settings.use_dora))
     except AdapterError as exc:
@@ -277,9 +280,9 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
-    pairs = _pair_tensors(tensors, num_layers, where)
+    pairs = _pair_tensors(tensors, num_layers, where, order)
 
-    for key in sorted(pairs, key=lambda k: (k[0], MODULES.index(k[1]))):
+    for key in sorted(pairs, key=lambda k: (k[0], order.index(k[1]))):
         if key not in targeted:
             tensor_name = min(name for name, _ in pairs[key].values())
             raise AdapterError(
@@ -290,7 +293,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     magnitudes: dict[tuple[int, str], torch.Tensor] = {}
     max_rank = 0
-    for layer, module in sorted(targeted, key=lambda k: (k[0], MODULES.index(k[1]))):
+    for layer, module in sorted(targeted, key=lambda k: (k[0], order.index(k[1]))):
         full = module_path(layer, module)
         r, alpha = _rank_alpha(settings, full, patterns)
         if r > max_lora_rank:
@@ -309,7 +312,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
             raise AdapterError(
                 f"{where}: incomplete LoRA pair for {full}: {found[have][0]} present, lora_{missing} missing"
             )
-        in_f, out_f = shapes[module]
+        in_f, out_f = shapes[named[module][0]][0], sum(shapes[m][1] for m in named[module])
         a_name, a = found["A"]
         b_name, b = found["B"]
         a = _checked(a_name, a, (r, in_f), dtype, where)
@@ -326,7 +329,24 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
             raise AdapterError(f"{where}: tensor {found['M'][0]} is a DoRA magnitude but {CONFIG_FILE} does not "
                                f"set use_dora")
 
+    _split_fused(weights, magnitudes, named, shapes)
     return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights, magnitudes=magnitudes)
+
+
+def _split_fused(weights: dict, magnitudes: dict, named: dict[str, tuple[str, ...]], shapes: dict) -> None:
+    """A pair on a fused checkpoint projection (Phi-3's qkv_proj) as one pair per module it holds, in place: the
+    same A, B's rows (and DoRA's magnitudes, whose row norms are per output) cut along the output."""
+    for (layer, fused), (a, b, scale) in list(weights.items()):
+        parts = named[fused]
+        if len(parts) == 1:
+            continue
+        widths = [shapes[m][1] for m in parts]
+        del weights[(layer, fused)]
+        for m, piece in zip(parts, b.split(widths)):
+            weights[(layer, m)] = (a, piece.contiguous(), scale)
+        if (layer, fused) in magnitudes:
+            for m, piece in zip(parts, magnitudes.pop((layer, fused)).split(widths)):
+                magnitudes[(layer, m)] = piece.contiguous()
 
 
 def lora_scale(alpha: float, r: int, use_rslora: bool) -> float:
@@ -462,8 +482,10 @@ def _json(value) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
-def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns) -> set[tuple[int, str]]:
-    """(layer, module) pairs the config selects, matched on full names the way peft does."""
+def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns,
+                      modules=MODULES) -> set[tuple[int, str]]:
+    """(layer, module) pairs the config selects, matched on full names the way peft does (modules: the names the
+    checkpoint's projections have)."""
     if s.layers_to_transform is not None:
         for i in s.layers_to_transform:
             if not 0 <= i < num_layers:
@@ -471,17 +493,17 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns) -
                     f"{where}: layers_to_transform lists layer {i}, but the base model has "
                     f"{num_layers} layers (0..{num_layers - 1})"
                 )
-    names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in MODULES}
+    names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in modules}
     if isinstance(s.target_modules, list):
         for entry in s.target_modules:
             if not any(full == entry or full.endswith("." + entry) for full in names):
                 raise AdapterError(
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
-                    f"are {', '.join(MODULES)}"
+                    f"are {', '.join(modules)}"
                 )
     targeted = {pair for full, pair in names.items() if _is_targeted(s, full, rx)}
     if not targeted:
-        raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(MODULES)}")
+        raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(modules)}")
     return targeted
 
 
@@ -528,7 +550,7 @@ def _rank_alpha(s: _Settings, key: str, rx: Patterns) -> tuple[int, float]:
     return r, alpha
 
 
-def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str):
+def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str, modules=MODULES):
     """Group tensors by (layer, module) -> {'A'|'B': (tensor name, tensor)}."""
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for tensor_name, t in tensors.items():
@@ -559,11 +581,11 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str)
         if m is None:
             raise AdapterError(
                 f"{where}: tensor {tensor_name} targets {module_name!r}, which is not a decoder-layer "
-                f"projection; supported modules are {', '.join(MODULES)}"
+                f"projection; supported modules are {', '.join(modules)}"
             )
         layer = int(m.group(1))
         try:
-            module = normalize_target(m.group(2))
+            module = normalize_target(m.group(2), modules)
         except ValueError as exc:
             raise AdapterError(f"{where}: tensor {tensor_name}: {exc}") from exc
         if m.group(2) != f"{PARENTS[module]}.{module}":

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# Parent module of each projection inside a decoder layer (HF LLaMA / Mistral / Qwen2 naming).
+# Parent module of each projection inside a decoder layer (HF naming; qkv_proj and gate_up_proj are Phi-3's
+# fused checkpoint projections, which adapters target as they are and the loader splits into ours).
 PARENTS = {
+    "qkv_proj": "self_attn",
+    "gate_up_proj": "mlp",
     "q_proj": "self_attn",
     "k_proj": "self_attn",
     "v_proj": "self_attn",
@@ -42,20 +45,33 @@ def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
     }
 
 
+def checkpoint_modules(hf_config) -> dict[str, tuple[str, ...]]:
+    """The projections an adapter for this checkpoint names (as its modules are called) -> the MODULES each
+    holds, end to end along its output: Phi-3's qkv_proj and gate_up_proj hold several, the rest one."""
+    from loraplex.models.family import CHECKPOINT_FUSED
+
+    fused = next((f for a, f in CHECKPOINT_FUSED.items() if a in (getattr(hf_config, "architectures", None) or [])),
+                 {})
+    held = {m for parts in fused.values() for m in parts}
+    names = {m: (m,) for m in MODULES if m not in held}
+    names.update(fused)
+    return dict(sorted(names.items(), key=lambda item: MODULES.index(item[1][0])))
+
+
 def module_path(layer: int, module: str) -> str:
     """Full HF module name of a projection, e.g. 'model.layers.0.self_attn.q_proj'."""
     return f"model.layers.{layer}.{PARENTS[module]}.{module}"
 
 
-def normalize_target(name: str) -> str:
-    """Short projection name ('q_proj') from a short or full module name; ValueError if unknown."""
+def normalize_target(name: str, modules=MODULES) -> str:
+    """Short projection name ('q_proj') from a short or full module name, one of modules; ValueError if unknown."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"module name must be a non-empty string, got {name!r}")
     parts = name.split(".")
     short = parts[-1]
-    if short not in MODULES:
+    if short not in modules:
         raise ValueError(
-            f"unknown LoRA target module {name!r}: supported modules are {', '.join(MODULES)}"
+            f"unknown LoRA target module {name!r}: supported modules are {', '.join(modules)}"
         )
     if len(parts) > 1 and parts[-2] != PARENTS[short]:
         raise ValueError(
