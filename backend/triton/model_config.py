@@ -22,7 +22,8 @@ log = logging.getLogger("loraplex.triton")
 
 MAX_CONFIG_BYTES = 64 * 1024  # loraplex.lora.store.MAX_CONFIG_BYTES (not imported: that imports torch)
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
-_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[\w]+\.)*?(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[\w]+\.)*?(qkv_proj|q_proj|k_proj|v_proj|o_proj|gate_up_proj|gate_proj|up_proj"
+                     r"|down_proj)"
                      r"\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
 
 
@@ -41,11 +42,14 @@ def configured_model_dir(model_config: dict, model_dir: Path) -> str | None:
 
 
 def base_shapes(model_dir: str) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(layers, module -> (in, out)) of the checkpoint's config.json (no transformers import)."""
-    from loraplex.lora.shapes import module_shapes
+    """(layers, module -> (in, out)) of the checkpoint's config.json (no transformers import), the modules named
+    as adapters for it name them (Phi-3's fused qkv_proj and gate_up_proj)."""
+    from loraplex.lora.shapes import checkpoint_modules, module_shapes
 
     hf = SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text()))
-    return int(hf.num_hidden_layers), module_shapes(hf)
+    ours = module_shapes(hf)
+    return int(hf.num_hidden_layers), {name: (ours[parts[0]][0], sum(ours[m][1] for m in parts))
+                                       for name, parts in checkpoint_modules(hf).items()}
 
 
 def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]]) -> str | None:
@@ -81,6 +85,8 @@ def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]
             return f"{key} is for layer {layer}, the base model has {layers} layers"
         if not (isinstance(shape, list) and len(shape) == 2):
             return f"{key} has shape {shape}, not 2-D"
+        if module not in shapes:
+            return f"{key} is for {module}, which the base model does not have (its modules: {', '.join(shapes)})"
         fan_in, fan_out = shapes[module]
         if part == "lora_A" and shape[1] != fan_in:
             return f"{key} has shape {shape}: the base model's {module} takes {fan_in} inputs"

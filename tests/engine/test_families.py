@@ -12,6 +12,7 @@ from peft_reference import teacher_forced_logits
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import SamplingParams
+from loraplex.triton.model_config import fitting_adapters
 
 LOGPROB_ATOL = 2e-4  # fp32 throughout; the sums run in another order than torch's
 MAX_TOKENS = 12
@@ -54,3 +55,9 @@ def test_base_and_adapters_in_one_batch_equal_peft(family):
         torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
                                    msg=lambda m, rid=rid: f"{name} {rid}: {m}")
     assert engine.adapters.pinned_count() == 0
+
+
+def test_multi_lora_fitting_takes_every_adapter_of_the_family(family):
+    """multi_lora.json's shape check reads the module names each family's adapters use (Phi-3's fused ones)."""
+    name, model_dir, adapters = family
+    assert fitting_adapters(adapters, model_dir) == adapters, name
