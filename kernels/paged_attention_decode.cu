@@ -8,6 +8,10 @@
 // units (q is pre-scaled by log2(e), so one exp2 per token and query); groups, then
 // warps, are merged at the end. With one split the block writes the output; with several
 // (flash-decoding) it writes its partial state and paged_decode_reduce merges the splits.
+// window > 0: the query (at position ctx - 1) sees only the keys at positions > ctx - 1 - window;
+// nothing before them is read, block-table entries included (splits wholly before them stay
+// empty). softcap > 0: scores are softcap * tanh(score / softcap) (Gemma 2), q then pre-scaled
+// by scale only and the capped score put in log2 units.
 //
 // Shapes: q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // block_tables int32 [B, max_blocks]; context_lens int32 [B]; out [B, Hq, D];
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(decode::kThreads)
     paged_decode(T* out, float* partial_acc, float* partial_ml, const T* q, const T* k_cache,
                  const T* v_cache, const int* block_tables, const int* context_lens,
                  int num_q_heads, int num_kv_heads, int block_size, int max_blocks,
-                 int split_tokens, int num_splits, float scale) {
+                 int split_tokens, int num_splits, float scale, int window, float softcap) {
   using L = DecodeLayout<T, D>;
   __shared__ float s_m[decode::kWarps][QPB];
   __shared__ float s_l[decode::kWarps][QPB];
@@ -72,12 +76,13 @@ __global__ void __launch_bounds__(decode::kThreads)
   const int seq = blockIdx.y;
   const int split = blockIdx.z;
   const int ctx = context_lens[seq];
-  const int t_begin = split * split_tokens;
-  const int t_end = lp_min(ctx, t_begin + split_tokens);
+  const int t_begin = lp_max(split * split_tokens, window > 0 ? ctx - window : 0);
+  const int t_end = lp_min(ctx, (split + 1) * split_tokens);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lg = lane % L::LANES, tg = lane / L::LANES;
 
-  const float qscale = scale * decode::kLog2e;
+  const bool capped = softcap > 0.f;
+  const float qscale = capped ? scale : scale * decode::kLog2e;
   float qv[QPB][L::EPL];
 #pragma unroll
   for (int g = 0; g < QPB; ++g) {
@@ -140,6 +145,7 @@ __global__ void __launch_bounds__(decode::kThreads)
 #pragma unroll
           for (int e = 0; e < L::EPL; ++e) dot += qv[g][e] * kv[e];
           s[g] = group_sum(dot, L::LANES);
+          if (capped) s[g] = tanhf(s[g] / softcap) * softcap * decode::kLog2e;
         }
       }
       if (!valid[u]) continue;

@@ -11,6 +11,9 @@
 // block_tables int32 [B, max_blocks]; cu_query_lens int32 [B + 1]; context_lens int32 [B]
 // (cached tokens including the new ones; new token i of a sequence sits at position
 // context_len - query_len + i).
+// window > 0: the query at position p sees only the keys at positions > p - window; a block
+// loads no key before its first query's window (block-table entries included). softcap > 0:
+// scores are softcap * tanh(score / softcap) (Gemma 2), before the mask and the softmax.
 #include "dtypes.h"
 
 template <int D>
@@ -29,7 +32,7 @@ __global__ void __launch_bounds__(128)
     paged_prefill(T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,
                   const int* cu_query_lens, const int* context_lens, int num_seqs,
                   int num_q_heads, int num_kv_heads, int block_size, int max_blocks,
-                  float scale) {
+                  float scale, int window, float softcap) {
   using P = PrefillTile<D>;
   __shared__ float s_q[P::BQ][D];
   __shared__ float s_k[P::BK][D + 1];
@@ -55,6 +58,7 @@ __global__ void __launch_bounds__(128)
   const int nq = lp_min(P::BQ, qlen - tile * P::BQ);
   const int pos0 = ctx - qlen + tile * P::BQ;  // position of the tile's first query
   const int last = pos0 + nq - 1;
+  const int first = window > 0 ? lp_max(0, pos0 - window + 1) : 0;  // the tile's first visible key
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int* table = block_tables + (long long)seq * max_blocks;
 
@@ -72,13 +76,13 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < P::EPL; ++e) acc[k][e] = 0.f;
   }
 
-  for (int k0 = 0; k0 <= last; k0 += P::BK) {
+  for (int k0 = first - first % P::BK; k0 <= last; k0 += P::BK) {
     __syncthreads();  // queries loaded / previous tile consumed
     for (int i = threadIdx.x; i < P::BK * D; i += blockDim.x) {
       const int j = i / D, d = i % D;
       const int key = k0 + j;
       float kx = 0.f, vx = 0.f;
-      if (key <= last) {
+      if (key >= first && key <= last) {
         const long long blk = table[key / block_size];
         const long long idx = ((blk * block_size + key % block_size) * num_kv_heads + kvh) * D + d;
         kx = to_float(k_cache[idx]);
@@ -94,11 +98,12 @@ __global__ void __launch_bounds__(128)
       if (r >= nq) continue;
       const int pos = pos0 + r;
       float s = LP_NEG_INF;
-      if (lane < P::BK && k0 + lane <= pos) {
+      const int key = k0 + lane;
+      if (lane < P::BK && key <= pos && (window <= 0 || key > pos - window)) {
         float dot = 0.f;
 #pragma unroll 8
         for (int d = 0; d < D; ++d) dot += s_q[r][d] * s_k[lane][d];
-        s = dot;
+        s = softcap > 0.f ? tanhf(dot / softcap) * softcap : dot;
       }
       const float tmax = warp_max(s);
       if (tmax == LP_NEG_INF) continue;

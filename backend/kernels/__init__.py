@@ -14,6 +14,7 @@ import torch
 
 from loraplex.kernels import cpu_native, dispatch, reference
 from loraplex.kernels.dispatch import check_model, run, uses_kernels
+from loraplex.kernels.launch_args import attention_variant
 from loraplex.kernels.prefill_sdpa import remember_host_lengths
 
 
@@ -124,14 +125,27 @@ def copy_blocks(kv_cache, src, dst):
     return run("copy_blocks", kv_cache, src, dst)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query per sequence [B, Hq, D] over its whole cached context -> [B, Hq, D]."""
-    return run("paged_attention_decode", q, k_cache, v_cache, block_tables, context_lens, scale)
+def _variant(window, softcap):
+    """window and softcap checked (ValueError naming the bad one), None where there is none."""
+    window, softcap = attention_variant(window, softcap)
+    return window or None, softcap or None
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
-    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix."""
-    return run("paged_attention_prefill", q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
+    """One query per sequence [B, Hq, D] over its cached context -> [B, Hq, D]. window (tokens): the query at
+    position p sees only the keys at p - window < k <= p; softcap: scores = softcap * tanh(scores / softcap)
+    before the softmax (scores already scaled). Blocks wholly before the window are never read."""
+    window, softcap = _variant(window, softcap)
+    return run("paged_attention_decode", q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, window=None,
+                            softcap=None):
+    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix; window and softcap as in
+    paged_attention_decode (each new token its own window)."""
+    window, softcap = _variant(window, softcap)
+    return run("paged_attention_prefill", q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
+               window, softcap)
 
 
 def advance_decode(positions, slot_mapping, context_lens, block_tables, block_size):

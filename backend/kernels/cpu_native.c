@@ -244,19 +244,28 @@ static void softmax_inplace(float *s, int64_t n) {
     for (int64_t q = 0; q < n; q++) s[q] *= inv;
 }
 
-/* out[0..d) = sum over the n positions of w[p] * V[p] (V rows read through the block table at column col). */
+/* The run of positions from p to the end of p's block or to n: its length (*len) and its first row in the
+ * cache. Walking first..n-1 run by run reads no block-table entry before first's block. */
+static inline int64_t run_at(const int32_t *blocks, int64_t p, int64_t n, int64_t block_size, int64_t *len) {
+    const int64_t off = p % block_size, rest = block_size - off;
+    *len = rest < n - p ? rest : n - p;
+    return (int64_t)blocks[p / block_size] * block_size + off;
+}
+
+/* out[0..d) = sum over positions first..n-1 of w[p - first] * V[p] (V rows read through the block table at
+ * column col). */
 static inline __attribute__((always_inline)) void weigh_values(const float *w, const float *v_cache,
-                                                                const int32_t *blocks, int64_t n, int64_t block_size,
-                                                                int64_t row, int64_t col, const int64_t d, float *out) {
+                                                                const int32_t *blocks, int64_t first, int64_t n,
+                                                                int64_t block_size, int64_t row, int64_t col,
+                                                                const int64_t d, float *out) {
 #ifdef LANES
     if (d % LANES == 0 && d <= 8 * LANES) { /* the sums stay in registers */
         vf acc[8];
         for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_zero();
-        for (int64_t start = 0; start < n; start += block_size) {
-            const float *vb = v_cache + (int64_t)blocks[start / block_size] * block_size * row + col;
-            const int64_t len = n - start < block_size ? n - start : block_size;
+        for (int64_t p = first, len; p < n; p += len) {
+            const float *vb = v_cache + run_at(blocks, p, n, block_size, &len) * row + col, *wb = w + (p - first);
             for (int64_t off = 0; off < len; off++) {
-                const vf wp = vf_set(w[start + off]);
+                const vf wp = vf_set(wb[off]);
                 const float *vp = vb + off * row;
                 for (int64_t v = 0; v < d / LANES; v++) acc[v] = vf_fma(wp, vf_load(vp + v * LANES), acc[v]);
             }
@@ -266,71 +275,77 @@ static inline __attribute__((always_inline)) void weigh_values(const float *w, c
     }
 #endif
     memset(out, 0, (size_t)d * sizeof(float));
-    for (int64_t start = 0; start < n; start += block_size) {
-        const float *vb = v_cache + (int64_t)blocks[start / block_size] * block_size * row + col;
-        const int64_t len = n - start < block_size ? n - start : block_size;
+    for (int64_t p = first, len; p < n; p += len) {
+        const float *vb = v_cache + run_at(blocks, p, n, block_size, &len) * row + col, *wb = w + (p - first);
         for (int64_t off = 0; off < len; off++) {
-            const float wp = w[start + off], *vp = vb + off * row;
+            const float wp = wb[off], *vp = vb + off * row;
 #pragma omp simd
             for (int64_t i = 0; i < d; i++) out[i] = fmaf(wp, vp[i], out[i]);
         }
     }
 }
 
-/* One sequence's query heads [group, D] of KV head g over its n cached positions -> out [group, D].
- * scores holds group * n floats. Exact softmax: scores, their max, exp, then the weighted sum of V.
- * Walks the block table block by block (no division per position); d is a constant where inlined. */
+/* One sequence's query heads [group, D] of KV head g over its cached positions first..n-1 -> out [group, D].
+ * scores holds group * (n - first) floats. Exact softmax: scores (soft-capped when softcap > 0: softcap *
+ * tanh(score / softcap), as Gemma 2), their max, exp, then the weighted sum of V. Walks the block table block
+ * by block (no division per position); d is a constant where inlined. */
 static inline __attribute__((always_inline)) void attend_group_d(
     const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache, const float *v_cache,
-    const int32_t *blocks, int64_t n, int64_t block_size, int64_t hkv, int64_t g, const int64_t d, float scale,
-    float *scores) {
-    const int64_t row = hkv * d;
-    for (int64_t start = 0; start < n; start += block_size) {
-        const float *kb = k_cache + (int64_t)blocks[start / block_size] * block_size * row + g * d;
-        const int64_t len = n - start < block_size ? n - start : block_size;
+    const int32_t *blocks, int64_t first, int64_t n, int64_t block_size, int64_t hkv, int64_t g, const int64_t d,
+    float scale, float softcap, float *scores) {
+    const int64_t row = hkv * d, m = n - first;
+    for (int64_t p = first, len; p < n; p += len) {
+        const float *kb = k_cache + run_at(blocks, p, n, block_size, &len) * row + g * d;
         for (int64_t off = 0; off < len; off++) {
             const float *kp = kb + off * row;
             for (int64_t j = 0; j < group; j++) {
-                scores[j * n + start + off] = dot_fma(q + j * q_head_stride, kp, d) * scale;
+                scores[j * m + p - first + off] = dot_fma(q + j * q_head_stride, kp, d) * scale;
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) softmax_inplace(scores + j * n, n);
-    for (int64_t j = 0; j < group; j++) weigh_values(scores + j * n, v_cache, blocks, n, block_size, row, g * d, d,
-                                                     out + j * d);
+    if (softcap > 0.f)
+        for (int64_t i = 0; i < group * m; i++) scores[i] = tanhf(scores[i] / softcap) * softcap;
+    for (int64_t j = 0; j < group; j++) softmax_inplace(scores + j * m, m);
+    for (int64_t j = 0; j < group; j++) weigh_values(scores + j * m, v_cache, blocks, first, n, block_size, row,
+                                                     g * d, d, out + j * d);
 }
 
 static void attend_group(const float *q, int64_t q_head_stride, float *out, int64_t group, const float *k_cache,
-                         const float *v_cache, const int32_t *blocks, int64_t n, int64_t block_size, int64_t hkv,
-                         int64_t g, int64_t d, float scale, float *scores) {
-#define ATTEND(D) attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, n, block_size, hkv, g, D, \
-                                  scale, scores)
+                         const float *v_cache, const int32_t *blocks, int64_t first, int64_t n, int64_t block_size,
+                         int64_t hkv, int64_t g, int64_t d, float scale, float softcap, float *scores) {
+#define ATTEND(D) attend_group_d(q, q_head_stride, out, group, k_cache, v_cache, blocks, first, n, block_size, hkv, \
+                                  g, D, scale, softcap, scores)
     switch (d) { /* the common head dims unrolled */
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;
+        case 256: ATTEND(256); break;
         default: ATTEND(d);
     }
 #undef ATTEND
 }
 
+/* The first position a query at position n - 1 sees: n - window with a window (window > 0) shorter than n, else 0. */
+static inline int64_t window_start(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
+
 /* Paged decode attention: q [B, Hq, D] (rows q_stride apart, heads contiguous), one query per sequence over
- * its context_lens[b] cached positions, found through block_tables [B, max_blocks] (rows table_stride apart)
- * -> out [B, Hq, D]; an empty context
- * gives zeros. Work items are (sequence, KV head), spread over torch's OpenMP threads when there are several.
+ * its context_lens[b] cached positions (with window > 0, the last window of them), found through
+ * block_tables [B, max_blocks] (rows table_stride apart; entries of blocks before the window never read)
+ * -> out [B, Hq, D]; an empty context gives zeros. softcap > 0 soft-caps the scores (attend_group_d).
+ * Work items are (sequence, KV head), spread over torch's OpenMP threads when there are several.
  * Returns 0; -1 (nothing computed) when a context passes its block table or a block the cache's num_blocks;
  * -2 when scratch memory could not be allocated. */
 int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t table_stride, int64_t max_blocks, const int32_t *context_lens,
                     int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t num_blocks,
-                    float scale) {
+                    float scale, int64_t window, float softcap) {
     const int64_t group = hq / hkv, items = num_seqs * hkv;
     int64_t longest = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t n = context_lens[b], used = (n + block_size - 1) / block_size;
+        const int64_t n = context_lens[b], used = (n + block_size - 1) / block_size, first = window_start(n, window);
         if (used > max_blocks) return -1;
-        for (int64_t i = 0; i < used; i++)
+        for (int64_t i = first / block_size; i < used; i++)
             if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -1;
-        longest = n > longest ? n : longest;
+        longest = n - first > longest ? n - first : longest;
     }
     int failed = 0;
 #pragma omp parallel num_threads(lp_threads()) if (items > 1 && longest * items >= 4096)
@@ -349,7 +364,8 @@ int lp_paged_decode(const float *q, int64_t q_stride, float *out, const float *k
                 continue;
             }
             attend_group(q + b * q_stride + g * group * d, d, o, group, k_cache, v_cache,
-                         block_tables + b * table_stride, n, block_size, hkv, g, d, scale, scores);
+                         block_tables + b * table_stride, window_start(n, window), n, block_size, hkv, g, d, scale,
+                         softcap, scores);
         }
         free(scores);
     }
@@ -740,10 +756,13 @@ int lp_lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride, in
 
 /* ---- a whole decode forward of the base model in one call: the ops above, in the model's order ---- */
 
-typedef struct { /* one layer's weights: norms, panels (fp16 or fp32) and their padded biases (NULL: none) */
+typedef struct { /* one layer's weights: norms, panels (fp16 or fp32) and their padded biases (NULL: none); its
+                  * attention's sliding window (0: none) and score soft-cap (0: none), as lp_paged_decode takes them */
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    int64_t window;
+    float softcap;
 } lp_layer;
 
 typedef struct { /* the model's shapes, and its panels' type (half: fp16, else fp32) */
@@ -802,7 +821,7 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
         if (!rc)
             rc = lp_paged_decode(qkv, wqkv, att, k_cache, v_cache, s->block_tables, s->table_stride, s->max_blocks,
                                  s->context_lens, rows, m->heads, m->kv_heads, d, s->block_size, s->num_blocks,
-                                 m->scale);
+                                 m->scale, w->window, w->softcap);
         if (rc) break;
         gemm(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd, half);
         if (ad) lora_add(att, qd, &proj, hid, ad + 3, &qd, &hid, 1, &plan, s->max_rank, lora_half);

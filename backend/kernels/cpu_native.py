@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.cpu_runner import build_once
+from loraplex.kernels.launch_args import attention_variant
 
 log = logging.getLogger("loraplex.kernels")
 SOURCE = Path(__file__).with_name("cpu_native.c")
@@ -41,7 +42,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_silu_mul": ([_P, _I, _P, _I, _P, _I, _I, _I], None),
     "lp_rotate_qk": ([_P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
     "lp_write_kv": ([_P, _P, _P, _I, _P, _I, _P, _I, _I, _I], ctypes.c_int),
-    "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+    "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F], ctypes.c_int),
     "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_f32": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_panel_width": ([], ctypes.c_int),
@@ -134,7 +135,7 @@ def serves(name: str, args: tuple) -> bool:
         (logits,) = args
         return logits.dim() == 2 and logits.shape[1] > 0 and _f32(logits)
     if name == "paged_attention_decode":
-        q, k_cache, v_cache, block_tables, context_lens, _scale = args
+        q, k_cache, v_cache, block_tables, context_lens = args[:5]  # then scale, window, softcap: any it takes
         return (_f32(q) and _heads(q) and _dense(k_cache, torch.float32) and _dense(v_cache, torch.float32)
                 and _dense(block_tables, torch.int32) and _dense(context_lens, torch.int32)
                 and q.shape[1] % k_cache.shape[2] == 0)
@@ -179,15 +180,17 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
         raise IndexError(f"write_kv: a slot is past the cache's {cache_rows} rows")
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query per sequence [B, Hq, D] over its cached context, read through its block table -> [B, Hq, D]."""
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
+    """One query per sequence [B, Hq, D] over its cached context (with a window, its last window positions),
+    read through its block table -> [B, Hq, D]; softcap soft-caps the scores."""
+    window, softcap = attention_variant(window, softcap)
     num_seqs, hq, d = q.shape
     out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
     num_blocks, block_size, hkv, _ = k_cache.shape
     rc = library().lp_paged_decode(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
                                    context_lens.data_ptr(), num_seqs,
-                                   hq, hkv, d, block_size, num_blocks, scale)
+                                   hq, hkv, d, block_size, num_blocks, scale, window, softcap)
     if rc == -1:
         raise IndexError("paged_attention_decode: a context passes its block table or the cache's blocks")
     if rc:
@@ -258,6 +261,7 @@ def packed_linear(x, weight: Panels, out=None):
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down",
                                                     "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+    _fields_ += [("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
 
 class _Shapes(ctypes.Structure):
@@ -313,16 +317,18 @@ def _ptr(panels: Panels | None, bias: bool = False):
 class DecodeForward:
     """A decode step's whole forward in one native call (lp_decode_forward): the same ops in the same order as
     LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a layer; with
-    adapters, each projection adds its rows' deltas as lora_add does. layers: per layer {input_norm, post_norm: fp32 tensors; qkv, o_proj, gate_up, down_proj: Panels of
-    one type};
-    the tensors must outlive this object (the model holds them)."""
+    adapters, each projection adds its rows' deltas as lora_add does. layers: per layer {input_norm, post_norm: fp32
+    tensors; qkv, o_proj, gate_up, down_proj: Panels of one type; optional window, softcap: its attention's, as
+    paged_attention_decode takes them (absent or None: none)}; the tensors must outlive this object (the model holds
+    them)."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
         self._layers = (_Layer * len(layers))(*[
             _Layer(w["input_norm"].data_ptr(), w["post_norm"].data_ptr(), _ptr(w["qkv"]), _ptr(w["o_proj"]),
                    _ptr(w["gate_up"]), _ptr(w["down_proj"]), _ptr(w["qkv"], True), _ptr(w["o_proj"], True),
-                   _ptr(w["gate_up"], True), _ptr(w["down_proj"], True))
+                   _ptr(w["gate_up"], True), _ptr(w["down_proj"], True),
+                   *attention_variant(w.get("window"), w.get("softcap")))
             for w in layers])
         hidden = final_norm.shape[0]
         self._shapes = _Shapes(len(layers), hidden, heads, kv_heads, head_dim, layers[0]["down_proj"].in_features,

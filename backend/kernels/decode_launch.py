@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels.instances import decode_name, decode_reduce_name
-from loraplex.kernels.launch_args import aligned, ceil_div, check_paged, int32_on, same_dtype
+from loraplex.kernels.launch_args import aligned, attention_variant, ceil_div, check_paged, int32_on, same_dtype
 from loraplex.kernels.runners import runner_for
 
 THREADS = 128  # decode::kThreads in the .cu
@@ -38,8 +38,11 @@ def split_plan(max_context: int, block_size: int, splits: int) -> tuple[int, int
     return per, ceil_div(max_context, per)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None, runner=None):
-    """One query per sequence [B, Hq, D] over its whole cached context -> [B, Hq, D]."""
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None, *,
+                           num_splits=None, runner=None):
+    """One query per sequence [B, Hq, D] over its cached context (with a window, its last window positions)
+    -> [B, Hq, D]."""
+    window, softcap = attention_variant(window, softcap)
     dtype = same_dtype(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -67,7 +70,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     tables = int32_on(block_tables, q.device)
     args = [out, partial_acc, partial_ml, q, k_cache, v_cache, tables, int32_on(context_lens, q.device)]
     args += [np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(block_size), np.int32(max(max_blocks, 1))]
-    args += [np.int32(split_tokens), np.int32(num_splits), np.float32(scale)]
+    args += [np.int32(split_tokens), np.int32(num_splits), np.float32(scale), np.int32(window), np.float32(softcap)]
     grid = (blocks, batch, num_splits)
     runner.launch("decode", decode_name(dtype, head_dim, qpb), grid, (THREADS, 1, 1), args)
     if num_splits > 1:

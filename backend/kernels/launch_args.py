@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from loraplex.kernels.instances import HEAD_DIMS, VEC_WIDTH, c_type
+
+INT32_MAX = 2**31 - 1
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -50,3 +55,15 @@ def same_dtype(*tensors: torch.Tensor) -> torch.dtype:
     if len(dtypes) != 1:
         raise TypeError(f"kernel operands must share one dtype, got {sorted(map(str, dtypes))}")
     return dtypes.pop()
+
+
+def attention_variant(window, softcap) -> tuple[int, float]:
+    """The paged-attention variant as the kernels take it: (window in tokens, 0 for none, at most INT32_MAX: a
+    longer one sees every key of any context; softcap, 0.0 for none). ValueError unless window is None or a
+    positive integer and softcap None or a positive finite number."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"attention window must be a positive whole number of tokens or None, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not 0 < softcap < math.inf):
+        raise ValueError(f"attention softcap must be a positive finite number or None, got {softcap!r}")
+    return min(int(window or 0), INT32_MAX), float(softcap or 0.0)

@@ -5,6 +5,8 @@ batched decode attention in one call, so only the prefilling sequences (a few pe
 bounded by the token budget) take the per-sequence loop. Which sequence is which comes from
 the step's lengths on the host: the runner hands them over (``remember_host_lengths``), so
 no layer reads a device tensor back; without them, the lengths are read once per step.
+A sliding window gathers only the keys some query of the chunk sees and masks the rest;
+soft-capped scores take the eager matmuls (SDPA has no cap), a slice of queries at a time.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from loraplex.kernels.reference import PerStepMemo
+from loraplex.kernels.reference import PerStepMemo, sdpa
 
 _PLANS = PerStepMemo()  # keyed by the step's cu_query_lens tensor: every layer asks the same
+# Soft-capped chunks are attended a slice of queries at a time, each slice's fp32 scores at most this many elements.
+_CAPPED_SCORES = 1 << 25
 
 
 @dataclass(slots=True)
@@ -58,15 +62,43 @@ def _plan(cu_query_lens: torch.Tensor, context_lens: torch.Tensor) -> _Plan:
                       lambda: _make_plan(cu_query_lens.tolist(), context_lens.tolist(), cu_query_lens.device))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first length tokens of one sequence's cache rows, contiguous: [length, Hkv, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens first..length-1 of one sequence's cache rows, contiguous: [length - first, Hkv, D] (the blocks
+    wholly before first are not read)."""
     block_size = cache.shape[1]
-    blocks = block_table[: -(-length // block_size)].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[:length]
+    blocks = block_table[first // block_size : -(-length // block_size)].long()
+    offset = first % block_size
+    return cache.index_select(0, blocks).flatten(0, 1)[offset : offset + length - first]
 
 
-def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
-    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix (gather + SDPA)."""
+def _attend_chunk(q, k, v, scale, first, window, softcap):
+    """One sequence's new tokens q [Hq, L, D] over its keys k, v [Hq, n - first, D] (positions first..n-1, the
+    chunk the last L of them): causal, within the window when given -> [Hq, L, D]."""
+    num_q, num_k = q.shape[1], k.shape[1]
+    if window is None and softcap is None and first == 0:
+        causal = {"is_causal": True} if num_q == num_k else {"attn_mask": causal_lower_right(num_q, num_k)}
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)[0]  # 4-D, as they need
+    q_pos = torch.arange(num_k + first - num_q, num_k + first, device=q.device)[:, None]
+    key = torch.arange(first, first + num_k, device=q.device)
+    visible = key <= q_pos
+    if window is not None:
+        visible &= key > q_pos - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale)[0]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+    out = torch.empty_like(q)
+    step = max(1, _CAPPED_SCORES // max(1, q.shape[0] * num_k))
+    kf, vf = k.float()[None], v.float()[None]
+    for lo in range(0, num_q, step):
+        rows = slice(lo, lo + step)
+        out[:, rows] = sdpa(q[None, :, rows].float(), kf, vf, bias[None, None, rows], scale, softcap)[0].to(q.dtype)
+    return out
+
+
+def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, window=None,
+                                 softcap=None):
+    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix (with a window, each to the
+    last window positions up to its own): gather + SDPA."""
     from loraplex.kernels import paged_attention_decode  # the package routes it to the decode kernel where one serves
 
     out = torch.empty_like(q)
@@ -75,17 +107,17 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_query_len
         if plan.decode_inputs is None:
             seqs = plan.decode_seqs
             plan.decode_inputs = (block_tables[seqs.to(block_tables.device)], context_lens[seqs.to(context_lens.device)])
-        out[plan.decode_rows] = paged_attention_decode(q[plan.decode_rows], k_cache, v_cache, *plan.decode_inputs, scale)
+        out[plan.decode_rows] = paged_attention_decode(q[plan.decode_rows], k_cache, v_cache, *plan.decode_inputs, scale,
+                                                       window, softcap)
     group = q.shape[1] // k_cache.shape[2]
     for lo, hi, n, b in plan.prefills:
-        k = gather_context(k_cache, block_tables[b], n).transpose(0, 1)
-        v = gather_context(v_cache, block_tables[b], n).transpose(0, 1)
+        seen = window if window is not None and window < n else None  # a window of n or more hides nothing here
+        first = max(0, n - (hi - lo) - seen + 1) if seen is not None else 0  # the earliest query's first key
+        k = gather_context(k_cache, block_tables[b], n, first).transpose(0, 1)
+        v = gather_context(v_cache, block_tables[b], n, first).transpose(0, 1)
         if group > 1:  # a K/V head per query head: the fused kernels (flash, memory-efficient) take no GQA here
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        qb = q[lo:hi].transpose(0, 1)
-        causal = {"is_causal": True} if hi - lo == n else {"attn_mask": causal_lower_right(hi - lo, n)}
-        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], scale=scale, **causal)  # 4-D, as they need
-        out[lo:hi] = o[0].transpose(0, 1)
+        out[lo:hi] = _attend_chunk(q[lo:hi].transpose(0, 1), k, v, scale, first, seen, softcap).transpose(0, 1)
     return out
 
 

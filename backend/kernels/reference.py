@@ -17,9 +17,17 @@ result, even when they are NaN (NaN * 0 is NaN, so masking by multiplication is 
     sliced, so entries at or beyond a slot's rank are never read. Rows without an adapter
     (slot -1, or rank 0 for this module) are in no tile: their shrink output is exactly zero
     and expand leaves them untouched. What tile padding computes is dropped.
-  - Attention: block-table entries past a context are not followed, and gathered K/V rows at
-    positions >= the context length are overwritten with zeros before any arithmetic; keys
-    beyond a query's position get an additive -inf score.
+  - Attention: block-table entries past a context, and with a sliding window those of blocks
+    before the first key any query of the call sees, are not followed; gathered K/V rows at
+    positions >= the context length or before that first key are overwritten with zeros before
+    any arithmetic; keys beyond a query's position or outside its window get an additive -inf
+    score.
+
+Attention variants (every paged-attention function takes them): ``window`` (None or a positive
+int): a query at position p sees the keys at positions k with p - window < k <= p (transformers'
+sliding_window_overlay); ``softcap`` (None or a positive float): scores = softcap * tanh(scores /
+softcap), scores already scaled, before the mask and the softmax (Gemma 2's attn_logit_softcapping,
+in the order of its eager_attention_forward).
 """
 
 from __future__ import annotations
@@ -276,20 +284,27 @@ def copy_blocks(kv_cache, src, dst):
 _CHUNK_ELEMENTS = 1 << 18
 
 
-def _context_rows(block_tables, context_lens, block_size):
+def _context_rows(block_tables, context_lens, block_size, first=None):
     """Where each sequence's cached tokens are: (blocks [B, n] int64, outside [m] int64).
 
     blocks lists each sequence's first n = ceil(max context / block_size) blocks, with entries
-    past its context replaced by block 0 (they may be stale or invalid: they are never
-    followed); gathered rows are [B, L = n * block_size], and outside holds the flat indices
-    b * L + p of the rows at positions p >= context_lens[b], which must be zeroed.
+    past its context, or wholly before first[b] (its first visible key, when given), replaced by
+    block 0 (they may be stale or invalid: they are never followed); gathered rows are [B, L =
+    n * block_size], and outside holds the flat indices b * L + p of the rows at positions
+    p >= context_lens[b] or p < first[b], which must be zeroed.
     """
     dev = block_tables.device
     num_blocks = -(-int(context_lens.max()) // block_size) if block_tables.shape[0] else 0
     ctx = context_lens.to(dev).long()[:, None]
-    used = torch.arange(num_blocks, device=dev) * block_size < ctx
+    start = torch.arange(num_blocks, device=dev) * block_size
+    used = start < ctx
+    position = torch.arange(num_blocks * block_size, device=dev)
+    outside = position >= ctx  # [B, L]
+    if first is not None:
+        first = first.to(dev).long()[:, None]
+        used &= start + block_size > first
+        outside |= position < first
     blocks = torch.where(used, block_tables[:, :num_blocks].long(), 0)
-    outside = torch.arange(num_blocks * block_size, device=dev) >= ctx  # [B, L]
     return blocks, outside.flatten().nonzero().squeeze(1)
 
 
@@ -311,43 +326,57 @@ def _gather_head(cache, h, blocks, outside):
 _ALL_HEADS_ELEMENTS = 1 << 19
 
 
-def _layout(q_pos, block_tables, context_lens, block_size):
+def _layout(q_pos, block_tables, context_lens, block_size, window=None):
     """What _attend needs besides q and the caches: (blocks, outside, bias [B, Lq, L], answered [B, Lq, 1, 1])."""
-    blocks, outside = _context_rows(block_tables, context_lens, block_size)
+    q_pos, first = q_pos.long(), None
+    if window is not None:  # nothing before the window of a sequence's earliest query is read
+        earliest = torch.where(q_pos >= 0, q_pos, torch.iinfo(torch.int64).max).amin(1)
+        first = (earliest - window + 1).clamp(min=0)
+    blocks, outside = _context_rows(block_tables, context_lens, block_size, first)
     length = blocks.shape[1] * block_size
-    q_pos = q_pos.long()
-    visible = torch.arange(length, device=q_pos.device) <= q_pos[:, :, None]  # [B, Lq, L]
+    key = torch.arange(length, device=q_pos.device)
+    visible = key <= q_pos[:, :, None]  # [B, Lq, L]
+    if window is not None:
+        visible &= key > q_pos[:, :, None] - window
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=q_pos.device).masked_fill_(~visible, float("-inf"))
     return blocks, outside, bias, (q_pos >= 0)[:, :, None, None]
 
 
-def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layout=None):
+def _cap(scores, softcap):
+    """Logit soft-capping in place (None: none): softcap * tanh(scores / softcap), as Gemma 2 computes it."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
+def _attend(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, layout=None, window=None, softcap=None):
     """Attention of a padded batch of queries over paged KV, in fp32: [B, Lq, Hq, D].
 
     q [B, Lq, Hq, D]; q_pos [B, Lq]: the cache position of each query, which sees the keys at
-    positions 0..q_pos (its own included). q_pos = -1 sees nothing and gives zeros (padding
-    queries, empty contexts). Query heads h*G..h*G+G-1 use KV head h, G = Hq // Hkv (GQA).
-    ``layout``: _layout's result for these arguments, when the caller has it already.
+    positions 0..q_pos (its own included; with a window only the last window of them). q_pos = -1
+    sees nothing and gives zeros (padding queries, empty contexts). Query heads h*G..h*G+G-1 use
+    KV head h, G = Hq // Hkv (GQA). ``layout``: _layout's result for these arguments (and window),
+    when the caller has it already.
     """
     num_seqs, num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     if layout is None:
-        layout = _layout(q_pos.to(q.device), block_tables, context_lens, k_cache.shape[1])
+        layout = _layout(q_pos.to(q.device), block_tables, context_lens, k_cache.shape[1], window)
     blocks, outside, bias, answered = layout
     length = bias.shape[-1]
     q = q.float()
     if num_seqs == 1 and num_q == 1:  # one decode stream: torch's fused attention (fewest ops)
-        out = _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale)
+        out = _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale, softcap)
     elif num_seqs * length * hkv * d <= _ALL_HEADS_ELEMENTS:
-        out = _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale)
+        out = _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale, softcap)
     else:
         out = torch.empty(num_seqs, num_q, hq, d, dtype=torch.float32, device=q.device)
         for h in range(hkv):  # the group of query heads that shares KV head h: one batched matmul each
             k, v = _gather_head(k_cache, h, blocks, outside), _gather_head(v_cache, h, blocks, outside)
             heads = slice(h * group, (h + 1) * group)
             qh = q[:, :, heads].reshape(num_seqs, num_q * group, d)
-            scores = torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, num_q, group, length) * scale
+            scores = _cap(torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, num_q, group, length) * scale, softcap)
             scores += bias[:, :, None]  # -inf where the key is not visible (keys there are zero, not NaN)
             probs = torch.softmax(scores, dim=-1)  # NaN for a query that sees no key; replaced below
             o = torch.bmm(probs.view(num_seqs, num_q * group, length), v)
@@ -362,26 +391,42 @@ def _gather_all_heads(cache, blocks, outside):
     return rows.view(blocks.shape[0], -1, *cache.shape[2:]).float().transpose(1, 2)
 
 
-def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale):
+def _attend_all_heads(q, k_cache, v_cache, blocks, outside, bias, scale, softcap=None):
     """_attend's matmuls for every KV head at once: K and V gathered once, head-major [B * Hkv, L, D]."""
     num_seqs, num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group, length = hq // hkv, bias.shape[-1]
     k, v = (_gather_all_heads(c, blocks, outside).reshape(num_seqs * hkv, length, d) for c in (k_cache, v_cache))
     qh = q.view(num_seqs, num_q, hkv, group, d).transpose(1, 2).reshape(num_seqs * hkv, num_q * group, d)
-    scores = torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, hkv, num_q, group, length) * scale
+    scores = _cap(torch.bmm(qh, k.transpose(1, 2)).view(num_seqs, hkv, num_q, group, length) * scale, softcap)
     scores += bias[:, None, :, None]
     probs = torch.softmax(scores, dim=-1)
     o = torch.bmm(probs.view(num_seqs * hkv, num_q * group, length), v)
     return o.view(num_seqs, hkv, num_q, group, d).transpose(1, 2).reshape(num_seqs, num_q, hq, d)
 
 
-def _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale):
+def _attend_sdpa(q, k_cache, v_cache, blocks, outside, bias, scale, softcap=None):
     """_attend_all_heads through torch's fused CPU attention: K and V gathered once, no head-major copy."""
     k, v = _gather_all_heads(k_cache, blocks, outside), _gather_all_heads(v_cache, blocks, outside)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias[:, None], scale=scale,
-                                       enable_gqa=q.shape[2] != k_cache.shape[2])  # [B, Hq, Lq, D]
-    return o.transpose(1, 2)
+    return sdpa(q.transpose(1, 2), k, v, bias[:, None], scale, softcap).transpose(1, 2)
+
+
+def sdpa(q, k, v, bias, scale, softcap=None):
+    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, L, D] (GQA: query head h uses KV head h // (Hq / Hkv))
+    with an additive bias broadcast to [B, 1, Lq, L] (None: every key): torch's fused attention, or without it
+    when scores are soft-capped (it has no such option): matmul, scale, cap, bias, softmax, as transformers'
+    eager attention."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    num_seqs, hq, num_q, d = q.shape
+    hkv = k.shape[1]
+    qh = q.reshape(num_seqs, hkv, hq // hkv * num_q, d)  # each KV head's query heads, one after another
+    scores = _cap(torch.matmul(qh, k.transpose(-1, -2)) * scale, softcap).view(num_seqs, hkv, hq // hkv, num_q, -1)
+    if bias is not None:
+        scores += bias.view(bias.shape[0], 1, 1, num_q, -1)
+    probs = torch.softmax(scores, dim=-1).view(num_seqs, hkv, -1, scores.shape[-1])
+    return torch.matmul(probs, v).view(num_seqs, hq, num_q, d)
 
 
 def _chunk(per_seq_elements):
@@ -389,47 +434,53 @@ def _chunk(per_seq_elements):
     return max(1, _CHUNK_ELEMENTS // max(1, per_seq_elements))
 
 
-def _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """paged_attention_decode one sequence at a time, each over exactly its context: its rows gathered by
-    blocks and cut at its length (no padding, so no mask and no zeroing), then torch's fused attention."""
-    block_size, gqa = k_cache.shape[1], q.shape[1] != k_cache.shape[2]
+def _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
+    """paged_attention_decode one sequence at a time, each over exactly its visible keys: the rows of its
+    context (with a window, of its last window positions) gathered by blocks and cut to them (no padding, so
+    no mask and no zeroing), then torch's fused attention."""
+    block_size = k_cache.shape[1]
 
-    def contexts():
-        tables = block_tables.to(k_cache.device).long()
-        return [(tables[b, : -(-n // block_size)], n) for b, n in enumerate(context_lens.tolist())]
+    def contexts():  # per sequence: (its blocks from the first visible key's, that key's offset in them, count)
+        tables, seqs = block_tables.to(k_cache.device).long(), []
+        for b, n in enumerate(context_lens.tolist()):
+            first = max(0, n - window) if window is not None else 0
+            seqs.append((tables[b, first // block_size : -(-n // block_size)], first % block_size, n - first))
+        return seqs
 
-    def attend(b, blocks, length):  # [1, Hq, 1, D] in fp32
-        k, v = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None] for c in (k_cache, v_cache))
+    def attend(b, blocks, offset, length):  # [1, Hq, 1, D] in fp32
+        k, v = (c.index_select(0, blocks).flatten(0, 1)[offset : offset + length].transpose(0, 1)[None]
+                for c in (k_cache, v_cache))
         qb = q[b, None, :, None]
         if k.dtype != torch.float32:
             qb, k, v = qb.float(), k.float(), v.float()
-        return F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=gqa)
+        return sdpa(qb, k, v, None, scale, softcap)
 
-    seqs = _DECODE_LAYOUTS.get(context_lens, ("each", block_size, block_tables.data_ptr()), contexts)
-    if len(seqs) == 1 and seqs[0][1]:  # one stream: the fewest ops
+    seqs = _DECODE_LAYOUTS.get(context_lens, ("each", block_size, block_tables.data_ptr(), window), contexts)
+    if len(seqs) == 1 and seqs[0][2] > 0:  # one stream: the fewest ops
         return attend(0, *seqs[0])[:, :, 0].to(q.dtype)
     out = torch.zeros_like(q)  # a sequence with an empty context sees nothing: zeros
-    for b, (blocks, length) in enumerate(seqs):
-        if length:
-            out[b] = attend(b, blocks, length)[0, :, 0].to(q.dtype)
+    for b, (blocks, offset, length) in enumerate(seqs):
+        if length > 0:
+            out[b] = attend(b, blocks, offset, length)[0, :, 0].to(q.dtype)
     return out
 
 
-def _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
     """paged_attention_decode over buckets of sequences of similar context lengths, each bucket one fused
     SDPA call for every head with a padding mask (after _gather_all_heads zeroed the padding rows)."""
     block_size = k_cache.shape[1]
-    key = ("buckets", block_size, block_tables.data_ptr(), tuple(block_tables.shape))
+    key = ("buckets", block_size, block_tables.data_ptr(), tuple(block_tables.shape), window)
     plan = _DECODE_LAYOUTS.get(context_lens, key, lambda: _bucket_plan(block_tables, context_lens, block_size,
-                                                                        k_cache.shape[2] * k_cache.shape[3]))
+                                                                        k_cache.shape[2] * k_cache.shape[3], window))
     out = torch.zeros_like(q)  # a sequence with an empty context sees nothing: zeros
     for seqs, blocks, outside, bias in plan:
-        o = _attend_sdpa(q.index_select(0, seqs)[:, None].float(), k_cache, v_cache, blocks, outside, bias, scale)
+        o = _attend_sdpa(q.index_select(0, seqs)[:, None].float(), k_cache, v_cache, blocks, outside, bias, scale,
+                         softcap)
         out.index_copy_(0, seqs, o[:, 0].to(q.dtype))
     return out
 
 
-def _bucket_plan(block_tables, context_lens, block_size, row_elements):
+def _bucket_plan(block_tables, context_lens, block_size, row_elements, window=None):
     """[(sequences int64, blocks, outside, bias)] per bucket: sequences sorted by context length and cut where
     the longest would pass BUCKET_SLACK times the shortest plus a block, or the bucket's K BUCKET_ELEMENTS."""
     order = sorted((n, b) for b, n in enumerate(context_lens.tolist()) if n > 0)
@@ -441,7 +492,8 @@ def _bucket_plan(block_tables, context_lens, block_size, row_elements):
             end += 1
         seqs = torch.tensor([b for _, b in order[first:end]], device=block_tables.device)
         lens = context_lens.index_select(0, seqs.to(context_lens.device))
-        blocks, outside, bias, _answered = _layout(lens.long()[:, None] - 1, block_tables[seqs], lens, block_size)
+        blocks, outside, bias, _answered = _layout(lens.long()[:, None] - 1, block_tables[seqs], lens, block_size,
+                                                   window)
         plan.append((seqs, blocks, outside, bias))
         first = end
     return plan
@@ -479,14 +531,15 @@ BUCKET_SLACK = 1.5
 BUCKET_ELEMENTS = 1 << 22
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query per sequence [B, Hq, D] over its whole cached context -> [B, Hq, D]."""
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
+    """One query per sequence [B, Hq, D] over its cached context (with a window, its last window positions)
+    -> [B, Hq, D]."""
     num_seqs, hq, d = q.shape
     way = _cpu_decode_way(context_lens, k_cache) if q.device.type == "cpu" and num_seqs else "padded"
     if way == "each":
-        return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_each(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
     if way == "buckets":
-        return _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_buckets(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
     out = torch.empty_like(q)
     length = int(context_lens.max()) if num_seqs else 0
     step = _chunk(length * max(hq // k_cache.shape[2], d))  # per KV head: scores, gathered K / V
@@ -496,17 +549,20 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
         def layout():
             q_pos = context_lens[seqs].to(q.device).long()[:, None] - 1  # the new token is the last one in the cache
-            return q_pos, _layout(q_pos, block_tables[seqs], context_lens[seqs], block_size)
+            return q_pos, _layout(q_pos, block_tables[seqs], context_lens[seqs], block_size, window)
 
-        key = (lo, step, block_size, block_tables.data_ptr(), tuple(block_tables.shape))
+        key = (lo, step, block_size, block_tables.data_ptr(), tuple(block_tables.shape), window)
         q_pos, rows = _DECODE_LAYOUTS.get(context_lens, key, layout)  # every layer of a step asks the same
-        o = _attend(q[seqs, None], q_pos, k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale, rows)
+        o = _attend(q[seqs, None], q_pos, k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale, rows,
+                    softcap=softcap)
         out[seqs] = o[:, 0].to(q.dtype)
     return out
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
-    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix."""
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, window=None,
+                            softcap=None):
+    """New tokens [T, Hq, D] attend causally to themselves and their cached prefix (with a window, each to the
+    last window positions up to its own)."""
     out = torch.empty_like(q)
     dev, (hq, d), hkv = q.device, q.shape[1:], k_cache.shape[2]
     cu, ctx = cu_query_lens.to(dev).long(), context_lens.to(dev).long()
@@ -524,7 +580,7 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_query_lens, co
             rows = torch.where(real, cu[seqs, None] + i, 0)
             q_pos = torch.where(real, ctx[seqs, None] - counts[seqs, None] + i, -1)
             tables = block_tables[seqs.to(block_tables.device)]
-            o = _attend(q[rows], q_pos, k_cache, v_cache, tables, ctx[seqs], scale)
+            o = _attend(q[rows], q_pos, k_cache, v_cache, tables, ctx[seqs], scale, window=window, softcap=softcap)
             out[rows[real]] = o[real].to(q.dtype)
     return out
 
