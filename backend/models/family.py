@@ -46,6 +46,7 @@ class Family:
     attn_scale: float = 1.0  # the attention's score scale (head_dim ** -0.5, or query_pre_attn_scalar's)
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
     layer_rope: tuple[str, ...] = ()  # each layer's rotary table: "default" or its layer type (Gemma 3)
+    head_dim: int = 0
     rotary_dim: int = 0  # dimensions of each head RoPE turns (Phi-3's partial_rotary_factor)
     moe: bool = False  # the MLP is a routed mixture of experts (models/moe.py)
 
@@ -53,7 +54,7 @@ class Family:
     def llama_like(self) -> bool:
         """Whether every layer computes what Llama's does, so that the fused, packed and one-call paths serve it."""
         return (not (self.qk_norm or self.sandwich_norms or self.attn_softcap or self.final_softcap or self.moe)
-                and self.activation == "silu" and self.embed_scale is None
+                and self.activation == "silu" and self.embed_scale is None and self.rotary_dim == self.head_dim
                 and all(w is None for w in self.layer_windows) and len(set(self.layer_rope)) <= 1)
 
 
@@ -108,6 +109,7 @@ def family_of(config, head_dim: int) -> Family:
         attn_scale=float(scalar if scalar else head_dim) ** -0.5,
         layer_windows=layer_windows(config),
         layer_rope=tuple(t if per_type_rope else "default" for t in types[:layers]),
+        head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         moe=arch in MOE,
     )

@@ -76,7 +76,7 @@ def _llama_family(cfg, head_dim: int) -> Family:
     """Llama's quirks (none): a config built by hand, without a known architecture (benchmarks' shapes)."""
     n = int(cfg.num_hidden_layers)
     return Family("LlamaForCausalLM", attn_scale=head_dim**-0.5, layer_windows=(None,) * n,
-                  layer_rope=("default",) * n, rotary_dim=head_dim)
+                  layer_rope=("default",) * n, head_dim=head_dim, rotary_dim=head_dim)
 
 
 class LlamaModel:

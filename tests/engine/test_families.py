@@ -31,12 +31,14 @@ def _engine(model_dir: str, adapters: dict[str, str]) -> LLMEngine:
                                   multi_lora=adapters))
 
 
-def test_base_and_adapters_in_one_batch_equal_peft(family):
+@pytest.mark.parametrize("loras", [[None], [None, *ADAPTERS]], ids=["base-only", "mixed"])
+def test_base_and_adapters_in_one_batch_equal_peft(family, loras):
+    """Base rows alone (a Llama-like family's one-call decode), then mixed with every adapter kind."""
     name, model_dir, adapters = family
     engine = _engine(model_dir, adapters)
     requests = {}
     for prompt in PROMPTS:
-        for lora in [None, *ADAPTERS]:
+        for lora in loras:
             rid = f"{lora}:{len(requests)}"
             params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
             requests[rid] = (engine.make_request(rid, prompt, SamplingParams.from_dict(

@@ -1,0 +1,133 @@
+"""Decode step time of each model family against the Llama path, per active parameter, in one run.
+
+    python benchmarks/families.py [--families llama,qwen3,...] [--batch 1,8] [--steps 48] [--json PATH]
+
+Every family gets a random checkpoint of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV
+heads, MLP 1536, its 49,152-token vocabulary), built from transformers' own config class with the family's
+quirks, saved once to a temporary folder; the MoE families get 8 experts of width 768, top-2, so that the
+active MLP equals the dense one. Each runs in-process on LLMEngine with the server's defaults on this
+machine, a batch of --batch greedy sequences of a 32-token prompt: decode step time is the median over
+--steps decode-only steps (best of 3 rounds). Active parameters: everything a token's forward reads (the
+routed experts only). The issue's goals: each family within 1.3x of Llama per active parameter, MoE within
+1.5x of dense. Ratios are from one run (this machine is shared and noisy); nothing asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=2048,
+             tie_word_embeddings=True)
+MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma2": dict(model_type="gemma2", query_pre_attn_scalar=64),
+    "gemma3": dict(model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=512),
+    "phi3": dict(model_type="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.75}, pad_token_id=None),
+    "mistral-window": dict(model_type="mistral", sliding_window=512),
+    "mixtral": dict(model_type="mixtral", intermediate_size=768),
+    "qwen3-moe": dict(model_type="qwen3_moe"),
+}
+MOE_FAMILIES = ("mixtral", "qwen3-moe")
+
+
+def build(root: Path, name: str) -> tuple[str, int]:
+    """The family's random checkpoint under root: (model dir, active parameters per token)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loraplex.models.builtin.demo import build_byte_tokenizer
+
+    spec = {**SHAPE, **FAMILIES[name]}
+    if name in MOE_FAMILIES:
+        spec = {**MOE, **spec}
+    out = root / name
+    build_byte_tokenizer(out, spec["max_position_embeddings"])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(out, safe_serialization=True)
+    active = sum(p.numel() for n, p in model.named_parameters() if "experts" not in n)
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    if experts:
+        active += experts * spec["num_experts_per_tok"] // spec.get("num_local_experts", spec.get("num_experts"))
+    del model
+    return str(out), active
+
+
+def step_times(model_dir: str, batch: int, steps: int) -> float:
+    """Median seconds of a decode-only step of `batch` greedy sequences (best of 3 rounds)."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, max_model_len=512))
+    best = float("inf")
+    for rnd in range(3):
+        for i in range(batch):
+            params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+            engine.add_request(engine.make_request(f"{rnd}-{i}", "x" * 31, params))
+        engine.step()  # the prefill (and each first token)
+        times = []
+        while engine.has_work():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        best = min(best, statistics.median(times[:-1] or times))
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps a round (default: %(default)s)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="families-") as tmp:
+        for name in args.families.split(","):
+            model_dir, active = build(Path(tmp), name)
+            row = {"family": name, "active_params": active}
+            for b in batches:
+                row[f"ms_b{b}"] = 1000 * step_times(model_dir, b, args.steps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for f in Path(model_dir).glob("*.safetensors"):
+                f.unlink()  # 0.5-1.5 GB each
+    llama = next((r for r in rows if r["family"] == "llama"), rows[0])
+    dense = {r["family"]: r for r in rows}
+    print("\n| family | active params (M) | " + " | ".join(f"ms/step b={b} | per param vs llama b={b}" for b in batches)
+          + " |")
+    print("|---|---|" + "---|---|" * len(batches))
+    for r in rows:
+        cells = []
+        for b in batches:
+            per = (r[f"ms_b{b}"] / r["active_params"]) / (llama[f"ms_b{b}"] / llama["active_params"])
+            r[f"per_param_vs_llama_b{b}"] = per
+            cells += [f"{r[f'ms_b{b}']:.1f}", f"{per:.2f}x"]
+        print(f"| {r['family']} | {r['active_params'] / 1e6:.1f} | " + " | ".join(cells) + " |")
+    for moe, base in (("mixtral", "mistral-window"), ("qwen3-moe", "qwen3")):
+        if moe in dense and base in dense:
+            for b in batches:
+                ratio = dense[moe][f"ms_b{b}"] / dense[base][f"ms_b{b}"]
+                print(f"{moe} / {base} (equal active MLP) at batch {b}: {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
