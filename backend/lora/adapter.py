@@ -23,6 +23,8 @@ from safetensors.torch import load as load_safetensors
 
 from loraplex.exceptions import AdapterError
 from loraplex.lora.patterns import MAX_REGEX_CHARS, REGEX_BUDGET_SECONDS, Patterns, check_pattern  # noqa: F401
+from loraplex.lora.vocab import (CONFIG_NAMES, MAX_VOCAB_TENSORS, MODULES_TO_SAVE_REASON, VOCAB_MODULES,
+                                 VocabAdapter, check_vocab_header, parse_vocab, vocab_module)
 from loraplex.lora.shapes import (MODULES, PARENTS, checkpoint_modules, module_path, module_shapes,
                                   normalize_target)
 
@@ -33,13 +35,11 @@ PICKLE_FILE = "adapter_model.bin"
 # Config options that change what the adapter computes and that this server does not implement.
 _UNSUPPORTED = (
     ("fan_in_fan_out", "fan_in_fan_out=true"),
-    ("modules_to_save", "modules_to_save (fully trained extra modules)"),
     ("lora_bias", "lora_bias=true"),
     ("use_qalora", "QALoRA (use_qalora=true)"),
     ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
     ("layer_replication", "layer_replication"),
     ("target_parameters", "target_parameters (LoRA on raw parameters)"),
-    ("trainable_token_indices", "trainable_token_indices"),
     ("use_bdlora", "BD-LoRA (use_bdlora)"),
     ("arrow_config", "Arrow routing (arrow_config)"),
     ("kasa_config", "KaSA (kasa_config)"),
@@ -82,6 +82,7 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
     # DoRA (use_dora): per (layer, module) the saved magnitude m [out]; empty for plain LoRA
     magnitudes: dict[tuple[int, str], torch.Tensor] = dataclass_field(default_factory=dict)
+    vocab: VocabAdapter | None = None  # LoRA on embed_tokens / lm_head, trainable tokens (lora/vocab.py)
     # DoRA's output scale s = m / ||W + scale * B A|| (row norms) per (layer, module), computed once from the
     # base weights when the adapter first enters a slot (dora_scales), then kept with the adapter
     output_scales: dict[tuple[int, str], torch.Tensor] | None = None
@@ -151,7 +152,7 @@ def looks_like_pickle(data: bytes) -> bool:
 def max_adapter_tensors(hf_config, dora: bool = False) -> int:
     """Most tensors an adapter of this base model holds: lora_A and lora_B (and with DoRA its magnitude) of
     every projection of every layer."""
-    return (3 if dora else 2) * int(hf_config.num_hidden_layers) * len(MODULES)
+    return (3 if dora else 2) * int(hf_config.num_hidden_layers) * len(MODULES) + MAX_VOCAB_TENSORS
 
 
 def uses_dora(config_bytes: bytes) -> bool:
@@ -273,13 +274,20 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     order = list(named)
     targeted = _targeted_modules(settings, num_layers, where, patterns, order)
     try:
-        check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config, settings.use_dora))
+        header = check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config, settings.use_dora))
     except AdapterError as exc:
         raise AdapterError(f"{where}: {exc}") from None
+    check_vocab_header(header, hf_config, max_lora_rank, where)  # before any tensor is allocated
     try:
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
+    vocab_tensors = {n: tensors.pop(n) for n in list(tensors) if vocab_module(n) is not None}
+    vocab = parse_vocab(json.loads(config_bytes), vocab_tensors,
+                        lambda m: settings.target_modules != "all-linear" and _is_targeted(settings, m, patterns),
+                        lambda m: _rank_alpha(settings, m, patterns),
+                        lambda alpha, r: lora_scale(alpha, r, settings.use_rslora), hf_config, max_lora_rank, dtype,
+                        settings.use_dora, where)
     pairs = _pair_tensors(tensors, num_layers, where, order)
 
     for key in sorted(pairs, key=lambda k: (k[0], order.index(k[1]))):
@@ -330,7 +338,9 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
                                f"set use_dora")
 
     _split_fused(weights, magnitudes, named, shapes)
-    return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights, magnitudes=magnitudes)
+    max_rank = max(max_rank, vocab.rank if vocab is not None else 0)
+    return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights, magnitudes=magnitudes,
+                       vocab=vocab)
 
 
 def _split_fused(weights: dict, magnitudes: dict, named: dict[str, tuple[str, ...]], shapes: dict) -> None:
@@ -386,6 +396,8 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     bias = cfg.get("bias", "none")
     if bias != "none":
         raise AdapterError(f"{where}: bias={bias!r} is not supported (only 'none')")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"{where}: {MODULES_TO_SAVE_REASON}")
     for key, what in _UNSUPPORTED:
         if cfg.get(key):
             raise AdapterError(f"{where}: {what} is not supported")
@@ -496,15 +508,22 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns,
     names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in modules}
     if isinstance(s.target_modules, list):
         for entry in s.target_modules:
+            if entry in CONFIG_NAMES:
+                continue  # embed_tokens / lm_head: lora/vocab.py's
             if not any(full == entry or full.endswith("." + entry) for full in names):
                 raise AdapterError(
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
                     f"are {', '.join(modules)}"
                 )
     targeted = {pair for full, pair in names.items() if _is_targeted(s, full, rx)}
-    if not targeted:
+    if not targeted and not _targets_vocab(s, rx):
         raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(modules)}")
     return targeted
+
+
+def _targets_vocab(s: _Settings, rx: Patterns) -> bool:
+    """Whether a config targets embed_tokens or lm_head (lora/vocab.py's; all-linear leaves them, as peft)."""
+    return s.target_modules != "all-linear" and any(_is_targeted(s, m, rx) for m in VOCAB_MODULES)
 
 
 def _is_targeted(s: _Settings, key: str, rx: Patterns) -> bool:

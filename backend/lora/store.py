@@ -53,6 +53,7 @@ from pathlib import Path
 from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
 from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, MAX_CONFIG_BYTES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter, uses_dora
 from loraplex.lora.shapes import module_shapes
+from loraplex.lora.vocab import max_vocab_bytes
 
 from loraplex.tenancy.tenants import Tenant
 
@@ -148,10 +149,12 @@ def tenant_dir_name(tenant: str) -> str:
 
 
 def max_weights_bytes(hf_config, max_lora_rank: int) -> int:
-    """Size of the largest valid adapter_model.safetensors for this model: every module at max_lora_rank, in F64."""
+    """Size of the largest valid adapter_model.safetensors for this model: every module at max_lora_rank, in F64,
+    and the vocabulary's tensors (lora/vocab.py)."""
     layers = int(hf_config.num_hidden_layers)
     elements = max_lora_rank * layers * sum(i + o for i, o in module_shapes(hf_config).values())
-    return 8 + max_header_bytes(max_adapter_tensors(hf_config)) + elements * max(DTYPE_SIZES.values())
+    return (8 + max_header_bytes(max_adapter_tensors(hf_config)) + elements * max(DTYPE_SIZES.values())
+            + max_vocab_bytes(hf_config, max_lora_rank))
 
 
 def _fsync_dir(path: Path) -> None:

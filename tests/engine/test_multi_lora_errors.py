@@ -55,8 +55,8 @@ def _to_pickle(folder: Path) -> None:
 
 # name -> (how to break a copy of the rank-4 attention adapter, fragments the error must contain)
 BROKEN = {
-    "bad-module": (lambda f: _edit_config(f, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens"]),
-                   ["unknown target module 'embed_tokens'"]),
+    "bad-module": (lambda f: _edit_config(f, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "score"]),
+                   ["unknown target module 'score'"]),
     "bad-shape": (lambda f: _edit_tensors(f, lambda t: t.__setitem__(Q0_A, torch.zeros(4, 64))),
                   [Q0_A, "has shape [4, 64], expected [4, 128]"]),
     "bad-dtype": (lambda f: _edit_tensors(f, lambda t: t.__setitem__(Q0_A, torch.zeros(4, 128, dtype=torch.int32))),

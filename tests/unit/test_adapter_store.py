@@ -202,7 +202,7 @@ def _refusals(good, make, other_model_files):
         "rank over quota": (big, make(4, r=8), "above the max_adapter_rank quota (4) of tenant 'acme'"),
         "bytes over quota": (big, make(4, r=4, target_modules=ALL), "above the max_adapter_bytes quota"),
         "bigger than any valid adapter": (ACME, (good[0], data + b" " * (10 << 20)), "more than any valid adapter"),
-        "unknown module": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": ["lm_head"]}), data),
+        "unknown module": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": ["score"]}), data),
                            "unknown target module"),
         "regex bomb": (ACME, (json.dumps({**json.loads(good[0]), "target_modules": "(?:(?:(?:a{200}){200}){200})"}),
                               data), "target_modules pattern '(?:(?:(?:a{200}){200}){200})' expands past 1024"),
@@ -462,7 +462,7 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, nu
 
 
 def test_a_header_of_200000_zero_size_tensors_is_refused_unparsed(monkeypatch):
-    """SmolLM2-135M's shapes at max_lora_rank 64: 420 tensors at most, a 495,616-byte header."""
+    """SmolLM2-135M's shapes at max_lora_rank 64: 428 tensors at most, a 503,808-byte header."""
     from transformers import LlamaConfig
 
     hf_config = LlamaConfig(**SMOLLM2)
@@ -477,17 +477,20 @@ def test_a_header_of_200000_zero_size_tensors_is_refused_unparsed(monkeypatch):
     with pytest.raises(AdapterStoreError) as info:
         store.upload(ACME, "x", config, data, hf_config, 64)
     assert str(info.value) == (f"adapter 'x': adapter_model.safetensors is not a valid safetensors file: header "
-                               f"length {len(raw)} is more than an adapter of this base model needs (495616 bytes "
-                               f"for at most 420 tensors)")
+                               f"length {len(raw)} is more than an adapter of this base model needs (503808 bytes "
+                               f"for at most 428 tensors)")
     assert max(parsed, default=0) <= len(config) and not store.root.exists()  # the header was never parsed
 
 
 def test_largest_valid_adapter_fits_the_size_bound(hf_config, make):
+    from loraplex.lora.vocab import max_vocab_bytes
+
     files = make(9, r=MAX_RANK, target_modules=ALL)
     from safetensors.torch import load
 
     f64 = save({k: v.double() for k, v in load(files[1]).items()})
-    assert len(f64) <= max_weights_bytes(hf_config, MAX_RANK) < 2 * len(f64)
+    vocab = max_vocab_bytes(hf_config, MAX_RANK)  # embed_tokens' and lm_head's tensors: tests/unit/test_vocab_adapter.py
+    assert len(f64) <= max_weights_bytes(hf_config, MAX_RANK) - vocab < 2 * len(f64)
 
 
 # versions, grace period, garbage collection ---------------------------------------------
