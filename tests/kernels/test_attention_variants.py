@@ -113,6 +113,17 @@ def test_reference_decode_every_cpu_way(monkeypatch, way, softcap, head_dim):
     check_decode(reference.paged_attention_decode, head_dim, softcap)
 
 
+@pytest.mark.parametrize("way", ["each", "buckets", "padded"])
+def test_reference_decode_layers_of_one_step_with_different_windows(monkeypatch, way):
+    # Gemma's interleaved layers: one step's tensors, windows changing layer by layer (the per-step memos)
+    monkeypatch.setattr(reference, "CPU_DECODE", way)
+    q, k_cache, v_cache, tables, lens, scale = decode_case(None, 64)
+    for window in (3, None, 8, 3):
+        want = oracle(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1), lens, scale, window, None)
+        assert_close(reference.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, window), want.float(),
+                     torch.float32)
+
+
 @softcaps
 def test_reference_decode_one_stream(softcap):
     # one sequence always takes the per-sequence way's single-stream branch
