@@ -272,14 +272,17 @@ class LlamaModel:
             lora.apply_group(ys, x, layer_idx, modules)
         return ys
 
-    def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraPlan | None) -> torch.Tensor:
+    def forward(self, input_ids, attn: AttentionBatch, kv_cache, lora: LoraPlan | None, vocab=None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes the new K/V into kv_cache. lora (a plan of
         loraplex.lora.backends, None: no adapter) adds each projection's deltas; a one-call plan's go inside the
-        native decode forward.
+        native decode forward. vocab (a lora/vocab.py VocabPlan, or None) changes the embedding lookup's rows of
+        adapters on embed_tokens, before any embedding scale, as peft.
 
         Each residual add is left to the next norm (kernels.add_rms_norm), as vLLM's fused add-norm.
         """
         ops, h = self.ops, self.embed[input_ids]
+        if vocab is not None:  # vocab hooks: the adapters' embedding rows, before the scale
+            h = vocab.embed(h, input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call):
@@ -336,15 +339,18 @@ class LlamaModel:
                                                 attn.context_lens, self.scale, **variant)
         return self._proj(i, "o_proj", o.reshape(t, -1), lora)
 
-    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None, vocab=None) -> torch.Tensor:
         """Vocabulary logits in fp32; the CPU's GEMMs write them into `out` [rows, vocab] when given (a buffer
-        reused step after step), the others return a new tensor."""
+        reused step after step), the others return a new tensor. vocab (a lora/vocab.py VocabPlan, or None) adds
+        the rows' adapters on lm_head, before any soft-cap, as peft."""
         if self.packed_lm_head is not None:
             logits = kernels.packed_linear(hidden, self.packed_lm_head, out)
         elif self.lm_head_t is not None:
             logits = torch.mm(hidden, self.lm_head_t, out=out)
         else:
             logits = F.linear(hidden, self.lm_head).float()
+        if vocab is not None:  # vocab hooks: the adapters' lm_head parts, before the soft-cap
+            vocab.logits(logits, hidden)
         cap = self.family.final_softcap
         return logits if not cap else logits.div_(cap).tanh_().mul_(cap)  # Gemma 2's final soft-cap, as HF
 
