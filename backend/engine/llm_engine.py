@@ -30,7 +30,7 @@ from loraplex.engine.metrics import TenantLabels, Values, per_label
 from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
-from loraplex.models.loader import check_full_attention_suffices, load_hf_config
+from loraplex.models.loader import load_hf_config
 from loraplex.engine.output_processor import ErrorEvent, OutputProcessor
 from loraplex.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
 from loraplex.engine.prompt_bound import check_prompt_bytes, longest_token_bytes
@@ -85,7 +85,6 @@ class LLMEngine:
             kernels.set_native_threads(native_cpu_threads(config.native_threads))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
-        check_full_attention_suffices(hf_config, max_len, config.model_dir)
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
                                 fp16_weights=config.weight_dtype == "float16")
         self.max_model_len = max_len

@@ -33,29 +33,6 @@ def load_hf_config(model_dir: str):
     return config
 
 
-def attention_window(config) -> int | None:
-    """The smallest sliding attention window any layer of ``config`` uses (Mistral's ``sliding_window``, Qwen2's
-    when ``use_sliding_window``, or ``layer_types``' "sliding_attention" layers), None when every layer is full."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) else None
-
-
-def check_full_attention_suffices(config, max_model_len: int, model_dir: str) -> None:
-    """Refuse a checkpoint whose sliding window is shorter than the sequences we would serve: our attention is
-    full, so past the window every token would differ from the model's (served wrong, with no error)."""
-    window = attention_window(config)
-    if window is not None and window < max_model_len:
-        raise ValueError(
-            f"{model_dir}: the checkpoint attends within a sliding window of {window} tokens, which is not "
-            f"implemented; at max_model_len {max_model_len} its outputs past {window} tokens would be wrong. "
-            f'Serve it exactly with max_model_len <= {window} (ENGINE_CONFIG \'{{"max_model_len": {window}}}\').')
-
-
 def load_safetensors(model_dir: str, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint (sharded or not), cast to dtype on device. Never loads pickle."""
     root = Path(model_dir)
