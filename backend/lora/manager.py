@@ -34,6 +34,7 @@ import torch
 from loraplex.exceptions import AdapterError, AdapterNotFound
 from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, load_peft_adapter
 from loraplex.lora.slots import LoraSlots
+from loraplex.lora.vocab import check_base_copies
 
 
 MAX_REMEMBERED_FAILURES = 256  # folders whose failed validation read() remembers (by their files' signature)
@@ -156,6 +157,8 @@ class AdapterManager:
             adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
             if adapter.magnitudes and self.slots.base_weight is not None:  # DoRA's scales here, off the loop (052)
                 adapter.dora_scales(self.slots.weight_of)
+            if adapter.vocab is not None and self.slots.vocab.base is not None:  # peft's base copies, as DoRA's
+                check_base_copies(adapter, self.slots.vocab.base)
         except AdapterError as exc:
             if signature is not None:
                 self._remember_failure(folder, signature, str(exc))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.vocab import VocabSlots
 from loraplex.lora.shapes import MODULES
 
 
@@ -63,6 +64,7 @@ class LoraSlots:
         self.base_weight = None
         self.out_scales: list[dict[str, torch.Tensor]] | None = None
         self.dora_slots: set[int] = set()
+        self.vocab = VocabSlots(max_loras, device)  # embed_tokens / lm_head parts, sized per adapter (lora/vocab.py)
 
     def _b_stack(self, out_features: int) -> torch.Tensor:
         """A zeroed B stack [max_loras, out, max_rank]. On the CPU it is a view of B.T stored contiguous
@@ -92,6 +94,7 @@ class LoraSlots:
                     f"do not fit [r, {in_f}] / [{out_f}, r]"
                 )
         dora = adapter.dora_scales(self.weight_of) if adapter.magnitudes else {}
+        held = self.vocab.prepare(adapter)  # its base copies checked before the slot is touched
         self.clear(slot)
         if dora:
             self._write_dora(slot, dora)
@@ -108,6 +111,7 @@ class LoraSlots:
         self.slot_ranks[slot] = max((r for r, _scale in self.targets[slot].values()), default=0)
         self._ranks[:, :, slot].copy_(ranks, non_blocking=True)  # staged at once: the host never waits
         self._scales[:, :, slot].copy_(scales, non_blocking=True)
+        self.vocab.load(slot, held)
 
     def weight_of(self, layer: int, module: str) -> torch.Tensor:
         """The base projection's weight [out, in] (DoRA's norms)."""
@@ -160,11 +164,13 @@ class LoraSlots:
             self.dora_slots.discard(slot)
         self.targets[slot] = {}
         self.slot_ranks[slot] = 0
+        self.vocab.clear(slot)
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""
         weights = sum(t.nbytes for table in (self.a, self.b) for layer in table for t in layer.values())
         dora = sum(t.nbytes for layer in self.out_scales or () for t in layer.values())
+        weights += self.vocab.memory_bytes()
         return weights + self._ranks.nbytes + self._scales.nbytes + dora
 
     def _check_slot(self, slot: int) -> None:

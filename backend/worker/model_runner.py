@@ -56,6 +56,10 @@ class ModelRunner:
         self.grammar_budget = GrammarBudget()  # each constrained row's matching budget (the engine sets its knobs)
         self.grammar_seconds: dict[str, float] = {}  # matching CPU seconds per tenant label (metrics)
         self.lora = None if lora_slots is None else lora_backend(model, lora_slots, self._tensor)
+        # adapters on embed_tokens / lm_head (lora/vocab.py): checked against and added to this model's
+        self.vocab = getattr(lora_slots, "vocab", None)
+        if self.vocab is not None:
+            self.vocab.bind(model)
         # a step with prefill may run in the one-call decode forward when that call adds its LoRA deltas too
         self._rows_form = model.native_decode is not None and (self.lora is None or self.lora.one_call)
         self.host_cache = allocate_host_cache(kv_cache, num_host_blocks)
@@ -74,11 +78,14 @@ class ModelRunner:
         if not batch.seqs:
             return RunnerOutput([], [], [])
         step, plans = self._inputs.build(batch)
-        graphed = self.graphs is not None and self.graphs.serves(step) and not (self.lora and self.lora.slots.dora_slots)
+        vocab = plans[2] if plans else self._vocab_plan(batch, step)
+        # a captured graph's embedding lookup would not see adapters on embed_tokens (their logits come after it)
+        graphed = (self.graphs is not None and self.graphs.serves(step) and not (self.lora and self.lora.slots.dora_slots)
+                   and not (vocab is not None and vocab.embeds))
         rows_form = not step.is_decode and self._rows_form and _prompt_rows_fit(step)
         if graphed:  # the graph reads its own static inputs; its LoRA plan is each row's adapter slot
             attn = None
-            lora, sampling = plans or (_adapter_slots(batch.seqs), None)
+            lora, sampling = plans[:2] if plans else (_adapter_slots(batch.seqs), None)
         else:
             attn = self._rows_attention(step) if rows_form else AttentionBatch(
                 positions=self._tensor(step.positions),
@@ -91,7 +98,7 @@ class ModelRunner:
             if not attn.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
                 kernels.remember_host_lengths(attn.cu_query_lens, attn.context_lens, step.cu.tolist(),
                                               step.context_lens.tolist())
-            lora, sampling = plans or (self._lora_batch(batch, step.cu, step.is_decode, rows_form), None)
+            lora, sampling = plans[:2] if plans else (self._lora_batch(batch, step.cu, step.is_decode, rows_form), None)
         num = len(batch.seqs)
         sample_seqs = step.sample_seqs.tolist()
         every_seq = len(sample_seqs) == num  # then sample j is batch row j (forks follow)
@@ -111,14 +118,15 @@ class ModelRunner:
                 if graphed:
                     hidden = self.graphs.run(step, lora)
                 else:
-                    hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora)
+                    hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora,
+                                                *(() if vocab is None else (vocab,)))
                 if not sample_seqs:
                     return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
                 if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():
                     picked = hidden  # every row sampled once, in order: the index would copy it unchanged
                 else:
                     picked = hidden[self._tensor(sample_rows)]
-                logits = self.model.logits(picked, self._logits_out(len(picked)))
+                logits = self.model.logits(picked, self._logits_out(len(picked)), *(() if vocab is None else (vocab,)))
             if self._finite_on_device:  # no sync before the sampled ids: see _zero_non_finite
                 logits, row_finite = _zero_non_finite(logits)
                 greedy = logits.argmax(dim=-1)  # not argmax_rows: its finite check reads a value back
@@ -145,7 +153,7 @@ class ModelRunner:
             if grammar_rows:
                 self._grammar.advance(grammar_rows, tokens, sample_seqs, errors)
         if not errors:
-            self._inputs.sampled(token_array, (lora, sampling))
+            self._inputs.sampled(token_array, (lora, sampling, vocab))
         if every_seq:  # sample j is row j
             return RunnerOutput(tokens, chosen, tops, errors)
         wanted = chosen is not None
@@ -237,6 +245,19 @@ class ModelRunner:
         """The step's LoRA plan from its backend; None when no sequence has an adapter."""
         slots = None if self.lora is None else _adapter_slots(batch.seqs)
         return None if slots is None else self.lora.plan(slots, cu, is_decode, rows_form)
+
+    def _vocab_plan(self, batch, step):
+        """The step's VocabPlan (lora/vocab.py): the rows whose adapters change embed_tokens or lm_head, by slot;
+        None when none does."""
+        if self.vocab is None or not self.vocab.loaded:
+            return None
+        seq_slots = _adapter_slots(batch.seqs)
+        if seq_slots is None:
+            return None
+        sample_slots = seq_slots[step.sample_seqs]  # the logits' rows: each sampled sequence, then the forks
+        if batch.forks:
+            sample_slots = np.concatenate([sample_slots, [child.adapter_slot for _, child in batch.forks]])
+        return self.vocab.plan(seq_slots, step.cu, sample_slots, self._tensor)
 
     def _tensor(self, values) -> torch.Tensor:
         """A step array (numpy) or an id list (int64) as a tensor on the model's device."""

@@ -1,0 +1,134 @@
+"""Adapters beyond the seven projections (issue 40 item 2, decision 067), exact against transformers + peft: LoRA on
+embed_tokens and on lm_head, and trainable tokens (two adapters training the same ids with different rows), mixed
+with base rows and a projection adapter in one batch, on an untied Llama (the native one-call decode, the torch path
+and the kernels on the shim), a tied one (the lm_head reads the trained rows) and Gemma 2 (the embedding's rows
+change before its scale, the lm_head's logits before its soft-cap). Greedy tokens equal peft's, and each step's
+logprob of the chosen token equals peft's teacher-forced log-softmax."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from families import DENSE_FAMILIES, SMALL
+from peft_reference import teacher_forced_logits
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import SamplingParams
+from loraplex.kernels import dispatch
+from loraplex.models.llama import AttentionBatch
+
+LOGPROB_ATOL = 2e-4  # fp32 throughout; the sums run in another order than torch's
+MAX_TOKENS = 8
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {
+    "untied": dict(TINY),  # the demo model's family: Llama, lm_head apart from the embedding
+    "tied": dict(TINY, tie_word_embeddings=True),  # the lm_head reads the trained tokens' rows too
+    "gemma2": {**SMALL, **DENSE_FAMILIES["gemma2"], "num_hidden_layers": 2},  # embedding scale, final soft-cap
+}
+# bytes of the prompts (id = 3 + byte): ' ', 'e', 'o', 'h', 'T'; tok-a and tok-b train the same ids
+TRAINED = [3 + ord(c) for c in " eohT"]
+PROMPTS = {"base": "The quick brown fox", "embed": "Hello there, world", "lm": "To be or not to be",
+           "tok-a": "The other one", "tok-b": "The other one", "mixed": "The quick brown fox"}
+
+
+def build_adapter(model_dir: str, out: Path, seed: int, save_embedding_layers="auto", **config) -> str:
+    """A peft adapter with random non-zero LoRA weights and trained rows unlike the base rows."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = {"r": 8, "lora_alpha": 16, **config}
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_embedding_B" in name:
+                p.mul_(0.02)  # peft leaves A and B at randn: a delta the size of the embedding's rows
+            elif "lora_B" in name:
+                p.mul_(0.3)
+            elif "trainable_tokens_delta" in name:
+                p.add_(p.std() * torch.randn_like(p))  # init: the base rows
+    peft_model.save_pretrained(out, save_embedding_layers=save_embedding_layers)
+    return str(out)
+
+
+def build_adapters(model_dir: str, root: Path) -> dict[str, str]:
+    return {
+        "embed": build_adapter(model_dir, root / "embed", 1, target_modules=["embed_tokens", "q_proj"]),
+        "lm": build_adapter(model_dir, root / "lm", 2, save_embedding_layers=False, target_modules=["lm_head"],
+                            r=4, lora_alpha=8, use_rslora=True),
+        "tok-a": build_adapter(model_dir, root / "tok-a", 3, target_modules=["v_proj"], trainable_token_indices=TRAINED),
+        "tok-b": build_adapter(model_dir, root / "tok-b", 4, target_modules=["v_proj"], trainable_token_indices=TRAINED),
+        "mixed": build_adapter(model_dir, root / "mixed", 5, target_modules=["embed_tokens", "lm_head", "down_proj"],
+                               rank_pattern={"lm_head": 4}),
+    }
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name -> (model dir, adapters), each built on first use."""
+    from loraplex.models.builtin.demo import build_tiny_llama
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(f"vocab-{name}")
+            model_dir = str(build_tiny_llama(root / "model", **MODELS[name]))
+            cache[name] = model_dir, build_adapters(model_dir, root)
+        return cache[name]
+
+    return get
+
+
+def run_batch(engine, batch: dict[str, str | None]):
+    """Greedy requests (request id -> adapter or None), stepped to the end: (requests, tokens, logprobs)."""
+    requests = {}
+    for rid, lora in batch.items():
+        params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
+        requests[rid] = engine.make_request(rid, PROMPTS[rid], SamplingParams.from_dict(
+            params | ({"lora_name": lora} if lora else {})), "t")
+        engine.add_request(requests[rid])
+    tokens, logprobs = {rid: [] for rid in batch}, {rid: [] for rid in batch}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.token_ids
+            logprobs[out.request_id] += [entry["token"][1] for entry in out.logprobs or []]
+    return requests, tokens, logprobs
+
+
+def assert_equal_peft(model_dir, adapters, batch, requests, tokens, logprobs, what):
+    for rid, lora in batch.items():
+        ref = teacher_forced_logits(model_dir, adapters.get(lora), requests[rid].prompt_token_ids, tokens[rid])
+        assert tokens[rid] == ref.argmax(-1).tolist(), f"{what} {rid}: greedy tokens differ from transformers + peft"
+        want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens[rid])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
+                                   msg=lambda m, rid=rid: f"{what} {rid}: {m}")
+
+
+def engine_for(model_dir, adapters, max_loras=None):
+    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=128,
+                                  num_kv_blocks=64, block_size=4, max_loras=max_loras or len(adapters),
+                                  max_lora_rank=8, multi_lora=adapters))
+
+
+BATCH = {"base": None, "embed": "embed", "lm": "lm", "tok-a": "tok-a", "tok-b": "tok-b", "mixed": "mixed"}
+
+
+@pytest.mark.parametrize("model,mode", [("untied", "auto"), ("untied", "reference"), ("untied", "shim"),
+                                        ("tied", "auto"), ("gemma2", "auto")])
+def test_vocab_adapters_in_one_batch_equal_peft(built, monkeypatch, model, mode):
+    monkeypatch.setenv(dispatch.ENV, mode)
+    monkeypatch.setattr(dispatch, "MODE", dispatch.read_mode())
+    model_dir, adapters = built(model)
+    engine = engine_for(model_dir, adapters)
+    requests, tokens, logprobs = run_batch(engine, BATCH)
+    assert_equal_peft(model_dir, adapters, BATCH, requests, tokens, logprobs, f"{model}/{mode}")
+    assert logprobs["tok-a"] != logprobs["tok-b"]  # one prompt, the same ids: each adapter's own rows
+    assert engine.adapters.pinned_count() == 0
