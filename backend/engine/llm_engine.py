@@ -17,6 +17,7 @@ from loraplex.worker.decode_graphs import build_decode_graphs
 from loraplex.engine.stats import EngineStats
 from loraplex.kv_cache.hashing import namespace_key
 from loraplex.kv_cache.manager import KVCacheManager
+from loraplex.kv_cache.window import kv_window
 from loraplex.exceptions import AdapterError, AdapterNotFound, EngineShuttingDown, InvalidRequest, RequestCancelled
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
 from loraplex.lora.manager import AdapterManager
@@ -90,7 +91,9 @@ class LLMEngine:
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
         num_blocks = self._num_kv_blocks()
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        window = kv_window(hf_config)  # every layer slides: blocks behind the window are freed (decision 065)
+        self.kv_window = window if window is not None and window < max_len else None
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_window)
         kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         shapes = module_shapes(self.model.config)
         lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
@@ -248,8 +251,8 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens} exceeds the model's max length {self.max_model_len}"
             )
         self._check_limits(params, limits)
-        bs, usable = self.config.block_size, self.kv_manager.num_blocks - self.scheduler.watermark_blocks
-        need = -(-(len(ids) + params.max_tokens) // bs)
+        bs, usable = self.config.block_size, self.kv_manager.num_usable_blocks - self.scheduler.watermark_blocks
+        need = self.kv_manager.max_blocks_held(len(ids) + params.max_tokens, self.config.max_num_batched_tokens)
         if need > usable:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: a sequence may need {need} KV "
@@ -668,7 +671,7 @@ class LLMEngine:
         outputs = self._fail_held(error)
         old = self.scheduler
         self.kv_manager = KVCacheManager(self.kv_manager.num_blocks, self.config.block_size,
-                                         self.config.enable_prefix_caching)
+                                         self.config.enable_prefix_caching, self.kv_window)
         self.adapters.reset_pins()
         self.scheduler = self._new_scheduler()
         self.scheduler.carry_counters(old)

@@ -269,9 +269,12 @@ class Scheduler:
         """
         running_status, held = SeqStatus.RUNNING, self.kv.held_table
         seqs, counts, tables = out.seqs, out.num_new_tokens, out.block_tables
+        windowed = self.kv.window is not None
         prefills = []
         for seq in tuple(self.running):  # preemption changes the list
             computed = seq.num_computed_tokens
+            # window: blocks its next queries cannot read go back before anything is allocated
+            freed = windowed and seq.status is running_status and self.kv.free_skipped(seq.seq_id, computed)
             if len(seq.token_ids) - computed != 1:
                 prefills.append(seq)
             elif budget > 0 and seq.status is running_status:
@@ -282,6 +285,8 @@ class Scheduler:
                     seqs.append(seq)
                     counts.append(1)
                     tables.append(table)
+                    if freed:  # the runner reads its table row again (a repeated decode keeps the old one)
+                        out.allocated.append(len(seqs) - 1)
                     budget -= 1
         for seq in prefills:
             if budget <= 0:
@@ -311,7 +316,7 @@ class Scheduler:
             if not self._fits_cap(seq):
                 break
             n = min(seq.num_tokens_to_compute, budget)
-            if kv.num_free_blocks - kv.blocks_needed(seq.seq_id, 0, seq.num_computed_tokens + n) < self.watermark_blocks:
+            if kv.num_free_blocks - kv.blocks_to_resume(seq.num_computed_tokens, n) < self.watermark_blocks:
                 break
             if self._awaiting_read(seq):
                 break
@@ -321,8 +326,7 @@ class Scheduler:
                 out.finished += self.remove(seq, FinishReason.ABORT)  # its adapter broke: fail it alone
                 continue
             self.swapped.popleft()
-            kv.allocate(seq.seq_id, 0, seq.num_computed_tokens)
-            out.swap_in += zip(seq.host_blocks, kv.block_table(seq.seq_id))
+            out.swap_in += zip(seq.host_blocks, kv.resume(seq.seq_id, seq.num_computed_tokens), strict=True)
             self.swap_space.release_later(seq.host_blocks)
             seq.host_blocks = []
             if not kv.allocate(seq.seq_id, seq.num_computed_tokens, n):
@@ -537,10 +541,11 @@ class Scheduler:
         refund = self._unemit(out, seq)
         self.running.remove(seq)
         kv = self.kv
-        blocks = -(-seq.num_computed_tokens // kv.block_size)
-        if self.swap_space.num_blocks and seq.num_computed_tokens and blocks <= self.swap_space.num_free:
+        computed = seq.num_computed_tokens
+        blocks = -(-computed // kv.block_size) - kv.skipped_blocks(computed)  # with a window: those it still reads
+        if self.swap_space.num_blocks and computed and blocks <= self.swap_space.num_free:
             host = self.swap_space.take(blocks)
-            out.swap_out += zip(kv.source_blocks(seq.seq_id, seq.num_computed_tokens), host)
+            out.swap_out += zip(kv.source_blocks(seq.seq_id, computed), host, strict=True)
             seq.host_blocks = host
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)

@@ -9,6 +9,10 @@ deterministic function of the sequence's tokens and sample index. So a wrong pre
 a missed or misordered copy, or a lost swap fails the step, and every sequence's output
 must equal ``reference_tokens``.
 
+With a ``window`` W the runner reads, as windowed attention does, only the slots of keys
+p - W < k <= p for each query p; a slot outside it may hold anything, and no slot read or
+written may be the manager's null block.
+
 Per tenant it records the served tokens (``served``: a request's prompt when it is first
 admitted, each generated token as it is reported: what fair share charges before weights)
 and checks the scheduler's per-tenant counts against a recount after every step.
@@ -94,8 +98,10 @@ class FakeAdapters:
 class FakeRunner:
     """Block copies and KV writes on a model of slot contents; checks what each sequence reads."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int, window: int | None = None,
+                 null_block: int | None = None) -> None:
         self.bs = block_size
+        self.window, self.null_block = window, null_block
         self.content = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
 
@@ -114,13 +120,16 @@ class FakeRunner:
             start = seq.num_computed_tokens
             for p in range(start, start + n):
                 slot = (table[p // bs], p % bs)
+                assert slot[0] != self.null_block, f"seq {seq.seq_id} writes position {p} into the null block"
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
                 self.content[slot[0]][slot[1]] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
         for i, (seq, n, table) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.block_tables)):
             start = seq.num_computed_tokens
             assert len(table) * bs >= start + n, "block table too short"
-            for p in range(start + n):  # what attention reads, after every write of the step
+            first = max(0, start - self.window + 1) if self.window else 0  # the first query's first key
+            for p in range(first, start + n):  # what attention reads, after every write of the step
+                assert table[p // bs] != self.null_block, f"seq {seq.seq_id} reads position {p} from the null block"
                 held = self.content[table[p // bs]][p % bs]
                 assert held == (seq.namespace, tuple(seq.token_ids[: p + 1])), f"seq {seq.seq_id} reads wrong KV at {p}"
             if start + n == len(seq.token_ids):
@@ -137,15 +146,15 @@ class Harness:
     """Scheduler + KV manager + fake adapters + fake runner + a settable clock."""
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4, num_host_blocks: int = 0, adapter_slots: int = 2,
-                 **config) -> None:
+                 window: int | None = None, **config) -> None:
         config.setdefault("max_num_batched_tokens", 64)
         self.config = EngineConfig(block_size=block_size, **config)
-        self.kv = KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching, window)
         self.adapters = FakeAdapters(adapter_slots)
         self.now = 0.0
         self.sched = make_scheduler(self.config, self.kv, self.adapters, {EOS}, 100_000,
                                     num_host_blocks=num_host_blocks, clock=lambda: self.now)
-        self.runner = FakeRunner(num_blocks, block_size, num_host_blocks)
+        self.runner = FakeRunner(num_blocks, block_size, num_host_blocks, window, self.kv.null_block)
         self._ids = itertools.count()
         self._tokens = itertools.count(1000)
         self.requests: dict[str, list[Sequence]] = {}
@@ -191,6 +200,8 @@ class Harness:
         """One engine step; records what would be streamed; returns the SchedulerOutput."""
         batch = self.sched.schedule()
         self.batches.append(batch)
+        if self.kv.window is not None:
+            self._check_window(batch)
         for seq in batch.admitted:
             rid = seq.request.request_id
             if seq.index == 0 and rid not in self._started:
@@ -208,6 +219,19 @@ class Harness:
         self.sched.swap_space.check()
         self.sched.check_tenants()
         return batch
+
+    def _check_window(self, batch) -> None:
+        """Each sequence the step runs gave back every block its queries cannot read, and holds no more than
+        ``max_blocks_held`` allows for its request (what the engine admits it by)."""
+        kv, padding = self.kv, set(map(id, getattr(self.sched, "padding", ())))
+        for seq in batch.seqs:
+            if id(seq) in padding:
+                continue
+            table, skipped = kv.block_table(seq.seq_id), kv._skipped[seq.seq_id]
+            assert skipped == kv.skipped_blocks(seq.num_computed_tokens), (seq.seq_id, skipped)
+            bound = kv.max_blocks_held(seq.num_prompt_tokens + seq.request.params.max_tokens,
+                                       self.config.max_num_batched_tokens)
+            assert len(table) - skipped <= bound, f"seq {seq.seq_id} holds {len(table) - skipped} > {bound} blocks"
 
     def run(self, max_steps: int = 10_000) -> int:
         """Step until idle; returns the number of steps."""
@@ -236,7 +260,7 @@ class Harness:
     def assert_idle_and_clean(self) -> None:
         """Everything finished once, every block and host block free, no adapter pinned."""
         assert not self.sched.has_work()
-        assert self.kv.usage()["used"] == 0 and self.kv.num_free_blocks == self.kv.num_blocks
+        assert self.kv.usage()["used"] == 0 and self.kv.num_free_blocks == self.kv.num_usable_blocks
         self.sched.swap_space.flush()
         assert self.sched.swap_space.num_free == self.sched.swap_space.num_blocks
         assert self.adapters.total_pins() == 0

@@ -3,7 +3,8 @@
 Tiny KV pools force preemption (both modes, every victim policy), alongside chunked
 prefill, prefix hits across tenants and adapters, n > 1 forks, adapter-slot contention,
 timeouts and aborts, with fair share on or off and tenants with weights and concurrency
-limits. After every step the harness checks the KV manager's invariants, the swap space,
+limits, and with or without a sliding window (then requests longer than the pool, their
+blocks freed as the window moves, hits past freed holes). After every step the harness checks the KV manager's invariants, the swap space,
 that every KV slot each scheduled sequence reads holds its own history, and the per-tenant
 counts and queue structure against a recount. At the end: every sample ended exactly once, every stream equals its reference
 (a prefix of it for timeouts and aborts: nothing lost, nothing repeated), and every
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from scheduler_harness import Harness
 
 from loraplex.engine.request import FinishReason
+from loraplex.kv_cache import KVCacheManager
 
 MAX_STEPS = 3000
 
@@ -41,17 +43,20 @@ def workloads(draw):
     )
     limits = {t: dict(weight=draw(st.sampled_from([None, 1, 2, 0.5])),
                       max_concurrent=draw(st.sampled_from([None, 0, 1, 2]))) for t in ("t", "u", "v")}
-    usable = num_blocks - 1  # the watermark is 1 block for pools this small
-    shared = draw(st.lists(st.integers(3, 6), min_size=12, max_size=12))
+    config["window"] = window = draw(st.sampled_from([None, None, 1, 2, 3, 6]))
+    kv = KVCacheManager(num_blocks, block_size, window=window)
+    usable = kv.num_usable_blocks - 1  # the watermark is 1 block for pools this small
+    longest = 14 if window is None else 30  # a window lets a sequence outgrow the pool
+    shared = draw(st.lists(st.integers(3, 6), min_size=24, max_size=24))
     requests = []
     for i in range(draw(st.integers(2, 10))):
-        prompt_len = draw(st.integers(1, 14))
-        max_tokens = draw(st.integers(1, 14))
-        while -(-(prompt_len + max_tokens) // block_size) > usable:  # the engine refuses what cannot fit
-            prompt_len, max_tokens = max(1, prompt_len // 2), max(1, max_tokens // 2)
+        prompt_len = draw(st.integers(1, longest))
+        max_tokens = draw(st.integers(1, longest))
+        while kv.max_blocks_held(prompt_len + max_tokens, config["max_num_batched_tokens"]) > usable:
+            prompt_len, max_tokens = max(1, prompt_len // 2), max(1, max_tokens // 2)  # what the engine refuses
         prompt = prompt_len
         if draw(st.booleans()):  # share a prefix with other requests
-            prompt = (shared[: draw(st.integers(0, 12))] + [7] * prompt_len)[:prompt_len]
+            prompt = (shared[: draw(st.integers(0, 24))] + [7] * prompt_len)[:prompt_len]
         requests.append(dict(
             at=draw(st.integers(0, 6)), rid=f"r{i}", prompt=prompt, max_tokens=max_tokens,
             n=draw(st.sampled_from([1, 1, 2, 3])) if config["max_num_seqs"] >= 3 else 1,
@@ -90,6 +95,8 @@ def test_random_workloads_keep_every_invariant(workload):
     event(f"preempted: {bool(h.sched.num_preemptions)}, swapped: {bool(h.sched.num_swapped_out)}")
     event(f"forked: {any(len(seqs) > 1 for seqs in h.requests.values())}, cap lowered: {bool(h.sched.cap.num_lowered)}")
     event(f"fair share: {config['fair_share']}, limited: {any(v['max_concurrent'] for v in limits.values())}")
+    if config["window"] is not None:
+        event(f"window: freed {h.kv.num_freed_by_window > 0}, hit past a hole {h.kv.num_hits_past_a_hole > 0}")
     for rid, seqs in h.requests.items():
         for seq in seqs:
             got, expected = h.streamed.get((rid, seq.index), []), h.expected(rid, seq.index)
