@@ -415,7 +415,7 @@ class AdapterStore:
         if tenant.max_adapter_rank and adapter.rank > tenant.max_adapter_rank:
             raise AdapterStoreError(f"adapter {name!r} has rank {adapter.rank}, above the max_adapter_rank quota "
                                     f"({tenant.max_adapter_rank}) of tenant {tenant.name!r}")
-        modules = sorted({m for _, m in adapter.weights})
+        modules = sorted({m for _, m in adapter.weights} | set(adapter.vocab.modules() if adapter.vocab else ()))
         meta = {"name": name, "version": version, "digest": adapter.digest, "rank": adapter.rank,
                 "target_modules": modules, "bytes": len(weights), "created": self.clock()}
         tdir = self._tenant_dir_for_writing(tenant.name) if capped else self._shared_dir_for_writing()

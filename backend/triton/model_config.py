@@ -25,6 +25,12 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[\w]+\.)*?(qkv_proj|q_proj|k_proj|v_proj|o_proj|gate_up_proj|gate_proj|up_proj"
                      r"|down_proj)"
                      r"\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
+# embed_tokens' and lm_head's tensors (loraplex.lora.vocab) -> which of their dims is the module's input / output
+_VOCAB_TENSOR = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(lora_embedding_A|lora_A\.weight|lora_embedding_B|lora_B\.weight"
+                           r"|token_adapter\.trainable_tokens_delta|base_layer\.weight)$")
+_VOCAB_DIMS = {"lora_embedding_A": (None, "in"), "lora_A.weight": (None, "in"), "lora_embedding_B": ("out", None),
+               "lora_B.weight": ("out", None), "token_adapter.trainable_tokens_delta": (None, "hidden"),
+               "base_layer.weight": ("vocab", "hidden")}
 
 
 def load_multi_lora(path: Path) -> dict[str, str]:
@@ -48,8 +54,10 @@ def base_shapes(model_dir: str) -> tuple[int, dict[str, tuple[int, int]]]:
 
     hf = SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text()))
     ours = module_shapes(hf)
-    return int(hf.num_hidden_layers), {name: (ours[parts[0]][0], sum(ours[m][1] for m in parts))
-                                       for name, parts in checkpoint_modules(hf).items()}
+    vocab, hidden = int(hf.vocab_size), int(hf.hidden_size)
+    return int(hf.num_hidden_layers), {**{name: (ours[parts[0]][0], sum(ours[m][1] for m in parts))
+                                          for name, parts in checkpoint_modules(hf).items()},
+                                       "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
 
 
 def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]]) -> str | None:
@@ -77,6 +85,11 @@ def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]
     fitted = 0
     for key, entry in header.items():
         match = _TENSOR.search(key)
+        if key != "__metadata__" and match is None and _VOCAB_TENSOR.search(key):
+            why = _vocab_mismatch(key, entry, shapes)
+            if why is not None:
+                return why
+            fitted += 1
         if key == "__metadata__" or match is None:
             continue
         layer, module, part = int(match.group(1)), match.group(2), match.group(3)
@@ -94,6 +107,22 @@ def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]
             return f"{key} has shape {shape}: the base model's {module} has {fan_out} outputs"
         fitted += 1
     return None if fitted else "no LoRA weights of a module the base model has"
+
+
+def _vocab_mismatch(key: str, entry, shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why a tensor on embed_tokens or lm_head does not fit the base model's vocab_size and hidden_size."""
+    module, part = _VOCAB_TENSOR.search(key).groups()
+    if module not in shapes:
+        return None  # a base_shapes without them: loraplex.lora.vocab checks at load
+    fan_in, fan_out = shapes[module]
+    dims = {"in": fan_in, "out": fan_out, "vocab": shapes["lm_head"][1], "hidden": shapes["lm_head"][0]}
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 2):
+        return f"{key} has shape {shape}, not 2-D"
+    for size, want in zip(shape, _VOCAB_DIMS[part]):
+        if want is not None and size != dims[want]:
+            return f"{key} has shape {shape}: the base model's {module} is {list(shapes[module])} (in, out)"
+    return None
 
 
 def fitting_adapters(entries: dict[str, str], model_dir: str, source: str = "multi_lora.json") -> dict[str, str]:

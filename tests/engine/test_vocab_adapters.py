@@ -132,3 +132,25 @@ def test_vocab_adapters_in_one_batch_equal_peft(built, monkeypatch, model, mode)
     assert_equal_peft(model_dir, adapters, BATCH, requests, tokens, logprobs, f"{model}/{mode}")
     assert logprobs["tok-a"] != logprobs["tok-b"]  # one prompt, the same ids: each adapter's own rows
     assert engine.adapters.pinned_count() == 0
+
+
+def test_multi_lora_fitting_reads_the_vocabulary_tensors(built, tmp_path):
+    """multi_lora.json keeps adapters whose embed_tokens / lm_head tensors fit the base model (an lm_head-only
+    adapter too) and skips one trained on another vocabulary, naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.triton.model_config import adapter_mismatch, base_shapes, fitting_adapters
+
+    model_dir, adapters = built("untied")
+    assert fitting_adapters(adapters, model_dir) == adapters
+    resized = tmp_path / "resized"
+    shutil.copytree(adapters["embed"], resized)
+    tensors = load_file(str(resized / "adapter_model.safetensors"))
+    key = "base_model.model.model.embed_tokens.lora_embedding_A"
+    tensors[key] = torch.zeros(8, tensors[key].shape[1] + 8)
+    save_file(tensors, str(resized / "adapter_model.safetensors"))
+    why = adapter_mismatch(str(resized), *base_shapes(model_dir))
+    assert why is not None and why.startswith(f"{key} has shape [8, 272]"), why
+    assert fitting_adapters({**adapters, "resized": str(resized)}, model_dir) == adapters
