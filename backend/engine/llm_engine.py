@@ -20,6 +20,7 @@ from loraplex.kv_cache.manager import KVCacheManager
 from loraplex.kv_cache.window import kv_window
 from loraplex.exceptions import AdapterError, AdapterNotFound, EngineShuttingDown, InvalidRequest, RequestCancelled
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
+from loraplex.lora.experts import expert_layout
 from loraplex.lora.manager import AdapterManager
 from loraplex.lora.preloader import AdapterPreloader
 from loraplex.lora.shapes import module_shapes
@@ -98,7 +99,8 @@ class LLMEngine:
         shapes = module_shapes(self.model.config)
         lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
         self.lora_slots = LoraSlots(
-            self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, lora_dtype, self.device
+            self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, lora_dtype, self.device,
+            experts=expert_layout(self.model.config),  # MoE: expert LoRA stacks (decision 066)
         )
         self.lora_slots.base_weight = self.model.base_weight  # DoRA's norms at adapter load (decision 052)
         self.adapters = AdapterManager(

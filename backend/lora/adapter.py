@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from loraplex.exceptions import AdapterError
+from loraplex.lora.experts import ExpertLora, expert_layout, parse_experts, take_expert_tensors
 from loraplex.lora.patterns import MAX_REGEX_CHARS, REGEX_BUDGET_SECONDS, Patterns, check_pattern  # noqa: F401
 from loraplex.lora.vocab import (CONFIG_NAMES, MAX_VOCAB_TENSORS, MODULES_TO_SAVE_REASON, VOCAB_MODULES,
                                  VocabAdapter, check_vocab_header, parse_vocab, vocab_module)
@@ -39,7 +40,6 @@ _UNSUPPORTED = (
     ("use_qalora", "QALoRA (use_qalora=true)"),
     ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
     ("layer_replication", "layer_replication"),
-    ("target_parameters", "target_parameters (LoRA on raw parameters)"),
     ("use_bdlora", "BD-LoRA (use_bdlora)"),
     ("arrow_config", "Arrow routing (arrow_config)"),
     ("kasa_config", "KaSA (kasa_config)"),
@@ -86,11 +86,14 @@ class LoraAdapter:
     # DoRA's output scale s = m / ||W + scale * B A|| (row norms) per (layer, module), computed once from the
     # base weights when the adapter first enters a slot (dora_scales), then kept with the adapter
     output_scales: dict[tuple[int, str], torch.Tensor] | None = None
+    # MoE experts: per (layer, expert projection) its experts' A and B, by rank (lora/experts.py, decision 066)
+    experts: dict[tuple[int, str], list[ExpertLora]] = dataclass_field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes held by the adapter's A and B tensors (and DoRA magnitudes)."""
+        shared = {id(t): t.nbytes for groups in self.experts.values() for g in groups for t in (g.a, g.b)}
         return (sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
-                + sum(m.nbytes for m in self.magnitudes.values()))
+                + sum(m.nbytes for m in self.magnitudes.values()) + sum(shared.values()))
 
     def dora_scales(self, base_weight) -> dict[tuple[int, str], torch.Tensor]:
         """DoRA's per-output scale of each targeted module (computed once; base_weight(layer, module) -> W
@@ -133,6 +136,7 @@ class _Settings:
     layers_to_transform: list[int] | None
     layers_pattern: list[str] | None
     use_dora: bool = False
+    target_parameters: list[str] | None = None  # peft's LoRA on raw parameters: MoE experts' fused tensors only
 
 
 def adapter_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
@@ -151,8 +155,10 @@ def looks_like_pickle(data: bytes) -> bool:
 
 def max_adapter_tensors(hf_config, dora: bool = False) -> int:
     """Most tensors an adapter of this base model holds: lora_A and lora_B (and with DoRA its magnitude) of
-    every projection of every layer."""
-    return (3 if dora else 2) * int(hf_config.num_hidden_layers) * len(MODULES) + MAX_VOCAB_TENSORS
+    every projection of every layer, and of every expert's projections on a MoE model."""
+    layout = expert_layout(hf_config)
+    experts = layout.max_tensors() if layout is not None else 0
+    return (3 if dora else 2) * int(hf_config.num_hidden_layers) * len(MODULES) + experts + MAX_VOCAB_TENSORS
 
 
 def uses_dora(config_bytes: bytes) -> bool:
@@ -272,7 +278,11 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     shapes = module_shapes(hf_config)
     named = checkpoint_modules(hf_config)  # what the adapter's names may be -> our modules each holds
     order = list(named)
-    targeted = _targeted_modules(settings, num_layers, where, patterns, order)
+    layout = _expert_layout(hf_config, where)
+    if settings.target_parameters and layout is None:
+        raise AdapterError(f"{where}: target_parameters (LoRA on raw parameters) is supported on the experts of a "
+                           f"MoE base model only; this base model has none")
+    targeted = _targeted_modules(settings, num_layers, where, patterns, order, layout)
     try:
         header = check_safetensors_header(weights_bytes, max_adapter_tensors(hf_config, settings.use_dora))
     except AdapterError as exc:
@@ -282,6 +292,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
+    expert_tensors = take_expert_tensors(tensors, layout, num_layers, where) if layout is not None else {}
     vocab_tensors = {n: tensors.pop(n) for n in list(tensors) if vocab_module(n) is not None}
     vocab = parse_vocab(json.loads(config_bytes), vocab_tensors,
                         lambda m: settings.target_modules != "all-linear" and _is_targeted(settings, m, patterns),
@@ -339,8 +350,23 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
 
     _split_fused(weights, magnitudes, named, shapes)
     max_rank = max(max_rank, vocab.rank if vocab is not None else 0)
+    experts = {}
+    if layout is not None:
+        experts = parse_experts(expert_tensors, layout, settings, where, patterns, max_lora_rank, dtype)
+        if not weights and not experts and vocab is None:
+            raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(order)}, nor the "
+                               f"experts ({', '.join(layout.leaves)} per expert, or target_parameters)")
+        max_rank = max([max_rank] + [g.rank for groups in experts.values() for g in groups])
     return LoraAdapter(name=name, path=path, digest=digest, rank=max_rank, weights=weights, magnitudes=magnitudes,
-                       vocab=vocab)
+                       experts=experts, vocab=vocab)
+
+
+def _expert_layout(hf_config, where: str):
+    """The base model's experts (lora/experts.py), None for a dense model."""
+    try:
+        return expert_layout(hf_config)
+    except ValueError as exc:
+        raise AdapterError(f"{where}: the base model's experts: {exc}") from None
 
 
 def _split_fused(weights: dict, magnitudes: dict, named: dict[str, tuple[str, ...]], shapes: dict) -> None:
@@ -427,7 +453,12 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
     ):
         raise AdapterError(f"{where}: alpha_pattern must map module patterns to numbers")
 
+    target_parameters = cfg.get("target_parameters") or None
+    if target_parameters is not None and not _is_str_list(target_parameters):
+        raise AdapterError(f"{where}: target_parameters must be a list of parameter names")
     target_modules = cfg.get("target_modules")
+    if target_modules is None and target_parameters:
+        target_modules = []  # peft: target_parameters alone
     if target_modules is None:
         raise AdapterError(f"{where}: target_modules is not set")
     if not isinstance(target_modules, str) and not _is_str_list(target_modules):
@@ -467,6 +498,7 @@ def _parse_config(config_bytes: bytes, where: str) -> _Settings:
         layers_to_transform=layers,
         layers_pattern=pattern or None,
         use_dora=use_dora,
+        target_parameters=target_parameters,
     )
 
 
@@ -495,9 +527,10 @@ def _json(value) -> str:
 
 
 def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns,
-                      modules=MODULES) -> set[tuple[int, str]]:
+                      modules=MODULES, layout=None) -> set[tuple[int, str]]:
     """(layer, module) pairs the config selects, matched on full names the way peft does (modules: the names the
-    checkpoint's projections have)."""
+    checkpoint's projections have; layout: a MoE model's experts, whose layers have no dense MLP and whose
+    per-expert modules lora/experts.py matches)."""
     if s.layers_to_transform is not None:
         for i in s.layers_to_transform:
             if not 0 <= i < num_layers:
@@ -505,18 +538,25 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns,
                     f"{where}: layers_to_transform lists layer {i}, but the base model has "
                     f"{num_layers} layers (0..{num_layers - 1})"
                 )
-    names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in modules}
+    sparse = set(layout.layers) if layout is not None else set()
+    names = {module_path(layer, m): (layer, m) for layer in range(num_layers) for m in modules
+             if not (layer in sparse and PARENTS[m] == "mlp")}
     if isinstance(s.target_modules, list):
         for entry in s.target_modules:
             if entry in CONFIG_NAMES:
                 continue  # embed_tokens / lm_head: lora/vocab.py's
-            if not any(full == entry or full.endswith("." + entry) for full in names):
+            kind = layout.entry_kind(entry) if layout is not None else None
+            if kind == "router":
+                raise AdapterError(f"{where}: target_modules entry {entry!r} is the MoE router "
+                                   f"({layout.parent}.gate): LoRA on the router is not served")
+            if kind is None and not any(full == entry or full.endswith("." + entry) for full in names):
+                experts = f", and the experts' {', '.join(layout.leaves)}" if layout is not None else ""
                 raise AdapterError(
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
-                    f"are {', '.join(modules)}"
+                    f"are {', '.join(modules)}{experts}"
                 )
     targeted = {pair for full, pair in names.items() if _is_targeted(s, full, rx)}
-    if not targeted and not _targets_vocab(s, rx):
+    if not targeted and layout is None and not _targets_vocab(s, rx):
         raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(modules)}")
     return targeted
 

@@ -9,6 +9,12 @@ Layout per layer and projection (see backend/kernels/reference.py):
   out_scales[layer][module] float32 [max_loras + 1, out]  DoRA's per-output scale (1.0: plain LoRA, empty
                         slots and the last row, which base rows -1 read); allocated at the first DoRA load
 
+MoE experts (decision 066), for the layers with a sparse block (which hold no dense MLP stacks):
+  xa[layer][module]     [max_loras, num_experts, max_rank, in]   module: an expert's gate/up/down_proj
+  xb[layer][module]     [max_loras, num_experts, out, max_rank]  (on the CPU a view, as b)
+  xranks / xscales[layer][module]  [max_loras * num_experts]: slot s, expert e at s * num_experts + e
+so that a routed (token, expert) row is one row of a per-row gather over max_loras * num_experts stacks.
+
 Stacks exist for all seven projections whether or not any adapter targets them, so the
 model never branches on shape. Memory: num_layers * max_loras * max_rank *
 sum over the seven projections of (in + out) * element size. LLaMA-2-7B (32 layers,
@@ -22,14 +28,15 @@ import torch
 
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.vocab import VocabSlots
-from loraplex.lora.shapes import MODULES
+from loraplex.lora.experts import EXPERT_MODULES, ExpertLayout
+from loraplex.lora.shapes import MODULES, PARENTS
 
 
 class LoraSlots:
     """Fixed-size stacks of LoRA A/B weights, ranks and scales, one row per adapter slot."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, int]], max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device) -> None:
+                 max_rank: int, dtype: torch.dtype, device, experts: ExpertLayout | None = None) -> None:
         if max_loras <= 0 or max_rank <= 0 or num_layers <= 0:
             raise ValueError("num_layers, max_loras and max_rank must be positive")
         missing = [m for m in MODULES if m not in shapes]
@@ -51,10 +58,13 @@ class LoraSlots:
         self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [{} for _ in range(max_loras)]
         self.scales = [{m: self._scales[layer, i] for i, m in enumerate(MODULES)} for layer in range(num_layers)]
         self.slot_ranks = [0] * max_loras  # the largest rank each slot holds (host)
-        for _ in range(num_layers):
+        sparse = set(experts.layers) if experts is not None else set()
+        for layer in range(num_layers):
+            dense = {m: io for m, io in self.shapes.items() if not (layer in sparse and PARENTS[m] == "mlp")}
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
-                           for m, (i, _o) in self.shapes.items()})
-            self.b.append({m: self._b_stack(o) for m, (_i, o) in self.shapes.items()})
+                           for m, (i, _o) in dense.items()})
+            self.b.append({m: self._b_stack(o) for m, (_i, o) in dense.items()})
+        self._init_experts(experts)
         # the same stacks as batched-matmul operands for the torch path: A.T [S, in, R], B.T [S, R, out], scales [S, 1, 1]
         self.a_t = [{m: a.transpose(1, 2) for m, a in layer.items()} for layer in self.a]
         self.b_t = [{m: b.transpose(1, 2) for m, b in layer.items()} for layer in self.b]
@@ -66,14 +76,39 @@ class LoraSlots:
         self.dora_slots: set[int] = set()
         self.vocab = VocabSlots(max_loras, device)  # embed_tokens / lm_head parts, sized per adapter (lora/vocab.py)
 
-    def _b_stack(self, out_features: int) -> torch.Tensor:
-        """A zeroed B stack [max_loras, out, max_rank]. On the CPU it is a view of B.T stored contiguous
-        ([max_loras, max_rank, out]), the layout the torch path's batched matmuls read fastest at a few
-        rows an adapter (decision 020); the CUDA kernels read [max_loras, out, max_rank] contiguous."""
+    def _b_stack(self, out_features: int, *lead: int) -> torch.Tensor:
+        """A zeroed B stack [max_loras, *lead, out, max_rank]. On the CPU it is a view of B.T stored contiguous
+        ([max_loras, *lead, max_rank, out]), the layout the torch path's batched matmuls read fastest at a few
+        rows an adapter (decision 020); the CUDA kernels read [max_loras, *lead, out, max_rank] contiguous."""
+        lead = (self.max_loras, *lead)
         if self.device.type == "cpu":
-            stored = torch.zeros(self.max_loras, self.max_rank, out_features, dtype=self.dtype, device=self.device)
-            return stored.transpose(1, 2)
-        return torch.zeros(self.max_loras, out_features, self.max_rank, dtype=self.dtype, device=self.device)
+            stored = torch.zeros(*lead, self.max_rank, out_features, dtype=self.dtype, device=self.device)
+            return stored.transpose(-1, -2)
+        return torch.zeros(*lead, out_features, self.max_rank, dtype=self.dtype, device=self.device)
+
+    def _init_experts(self, experts: ExpertLayout | None) -> None:
+        """The expert stacks of a MoE model's sparse layers (none for a dense model)."""
+        self.experts = experts
+        n = experts.num_experts if experts is not None else 0  # a dense model: empty, 0 bytes
+        self.xa: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
+        self.xb: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
+        self._xranks = torch.zeros(self.num_layers, len(EXPERT_MODULES), self.max_loras, n, dtype=torch.int32,
+                                   device=self.device)
+        self._xscales = torch.zeros(self.num_layers, len(EXPERT_MODULES), self.max_loras, n, dtype=torch.float32,
+                                    device=self.device)
+        self.expert_targets: list[dict[tuple[int, str], int]] = [{} for _ in range(self.max_loras)]  # -> rank written
+        self._expert_holders: list[set[int]] = [set() for _ in range(self.num_layers)]  # slots with layer's experts
+        # per (layer, module): (A [S*E, R, in], B [S*E, out, R], ranks [S*E], scales [S*E]), the per-row gather's
+        self.expert_stacks: list[dict[str, tuple]] = [{} for _ in range(self.num_layers)]
+        if experts is None:
+            return
+        for layer in experts.layers:
+            for i, (m, (in_f, out_f)) in enumerate(experts.shapes().items()):
+                a = torch.zeros(self.max_loras, n, self.max_rank, in_f, dtype=self.dtype, device=self.device)
+                b = self._b_stack(out_f, n)
+                self.xa[layer][m], self.xb[layer][m] = a, b
+                self.expert_stacks[layer][m] = (a.flatten(0, 1), b.flatten(0, 1), self._xranks[layer, i].view(-1),
+                                                self._xscales[layer, i].view(-1))
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write an adapter into a slot, replacing (and zeroing) whatever the slot held.
@@ -84,7 +119,7 @@ class LoraSlots:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > slot max_rank {self.max_rank}")
         for (layer, module), (a, b, _scale) in adapter.weights.items():
-            if not 0 <= layer < self.num_layers or module not in self.shapes:
+            if not 0 <= layer < self.num_layers or module not in self.a[layer]:
                 raise ValueError(f"adapter {adapter.name!r} targets ({layer}, {module}) outside the slots")
             in_f, out_f = self.shapes[module]
             r = a.shape[0]
@@ -93,6 +128,7 @@ class LoraSlots:
                     f"adapter {adapter.name!r} layer {layer} {module}: A {list(a.shape)} / B {list(b.shape)} "
                     f"do not fit [r, {in_f}] / [{out_f}, r]"
                 )
+        self._check_experts(adapter)
         dora = adapter.dora_scales(self.weight_of) if adapter.magnitudes else {}
         held = self.vocab.prepare(adapter)  # its base copies checked before the slot is touched
         self.clear(slot)
@@ -100,7 +136,12 @@ class LoraSlots:
             self._write_dora(slot, dora)
         ranks = torch.zeros(self.num_layers, len(MODULES), dtype=torch.int32)
         scales = torch.zeros(self.num_layers, len(MODULES), dtype=torch.float32)
-        for ((layer, module), (_a, _b, scale)), (a, b) in zip(adapter.weights.items(), self._on_device(adapter)):
+        moved = self._on_device([t for a, b, _ in adapter.weights.values() for t in (a, b)]
+                                + [t for groups in adapter.experts.values() for g in groups for t in (g.a, g.b)])
+        pairs = list(zip(moved[0::2], moved[1::2]))
+        if adapter.experts:
+            self._write_experts(slot, adapter, pairs[len(adapter.weights):])
+        for ((layer, module), (_a, _b, scale)), (a, b) in zip(adapter.weights.items(), pairs):
             r = a.shape[0]
             if r:  # recorded before the copy: clear() zeroes exactly what was written
                 self.targets[slot][(layer, module)] = (r, float(scale))
@@ -131,19 +172,56 @@ class LoraSlots:
             self.out_scales[layer][module][slot].copy_(s)
         self.dora_slots.add(slot)
 
-    def _on_device(self, adapter: LoraAdapter):
-        """The adapter's (A, B) pairs on the slots' device: on CUDA through one packed host-to-device copy."""
-        pairs = [(a, b) for a, b, _ in adapter.weights.values()]
-        if self.device.type != "cuda" or not pairs:
-            return pairs
-        flat = torch.cat([t.reshape(-1).to(self.dtype) for pair in pairs for t in pair])
+    def _check_experts(self, adapter: LoraAdapter) -> None:
+        """ValueError unless the adapter's expert pairs fit the expert stacks."""
+        for (layer, module), groups in adapter.experts.items():
+            if not (0 <= layer < self.num_layers and module in self.xa[layer]):
+                raise ValueError(f"adapter {adapter.name!r} adapts the experts of layer {layer} ({module}), which "
+                                 f"the slots hold no expert stacks for")
+            num, in_f, out_f = self.xa[layer][module].shape[1], self.xa[layer][module].shape[3], \
+                self.xb[layer][module].shape[2]
+            seen: set[int] = set()
+            for g in groups:
+                n, r = len(g.experts), g.rank
+                if (tuple(g.a.shape) != (n, r, in_f) or tuple(g.b.shape) != (n, out_f, r) or r > self.max_rank
+                        or not all(0 <= e < num and e not in seen for e in g.experts)):
+                    raise ValueError(f"adapter {adapter.name!r} layer {layer} experts' {module}: A {list(g.a.shape)} "
+                                     f"/ B {list(g.b.shape)} of experts {list(g.experts)} do not fit [n, r, {in_f}] / "
+                                     f"[n, {out_f}, r], r <= {self.max_rank}, distinct experts < {num}")
+                seen.update(g.experts)
+
+    def _write_experts(self, slot: int, adapter: LoraAdapter, pairs) -> None:
+        """The adapter's expert pairs (on the device) into the slot's expert stacks, with their ranks and scales."""
+        ranks = torch.zeros(self.num_layers, len(EXPERT_MODULES), self._xranks.shape[3], dtype=torch.int32)
+        scales = torch.zeros(ranks.shape, dtype=torch.float32)
+        groups = [(key, g) for key, gs in adapter.experts.items() for g in gs]
+        for ((layer, module), g), (a, b) in zip(groups, pairs):
+            r, i = g.rank, EXPERT_MODULES.index(module)
+            # recorded before the copy: clear() zeroes what was written
+            self.expert_targets[slot][(layer, module)] = max(r, self.expert_targets[slot].get((layer, module), 0))
+            self._expert_holders[layer].add(slot)
+            rows = torch.tensor(g.experts, dtype=torch.long, device=self.device)
+            self.xa[layer][module][slot, :, :r].index_copy_(0, rows, a)
+            self.xb[layer][module][slot, :, :, :r].index_copy_(0, rows, b)
+            ranks[layer, i, list(g.experts)] = r
+            scales[layer, i, list(g.experts)] = g.scale
+        self._xranks[:, :, slot].copy_(ranks, non_blocking=True)
+        self._xscales[:, :, slot].copy_(scales, non_blocking=True)
+
+    def holds_experts(self, layer: int) -> bool:
+        """Whether a slot holds LoRA on layer's experts (read on the host)."""
+        return bool(self._expert_holders[layer])
+
+    def _on_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """tensors on the slots' device: on CUDA through one packed host-to-device copy."""
+        if self.device.type != "cuda" or not tensors:
+            return tensors
+        flat = torch.cat([t.reshape(-1).to(self.dtype) for t in tensors])
         flat = flat.pin_memory().to(self.device, non_blocking=True)
         out, offset = [], 0
-        for a, b in pairs:
-            a_dev = flat[offset:offset + a.numel()].view(a.shape)
-            offset += a.numel()
-            out.append((a_dev, flat[offset:offset + b.numel()].view(b.shape)))
-            offset += b.numel()
+        for t in tensors:
+            out.append(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
         return out
 
     def clear(self, slot: int) -> None:
@@ -157,6 +235,14 @@ class LoraSlots:
             self.b[layer][m][slot, :, :r].zero_()
         self._ranks[:, :, slot] = 0
         self._scales[:, :, slot] = 0.0
+        for (layer, m), r in self.expert_targets[slot].items():
+            self.xa[layer][m][slot, :, :r].zero_()
+            self.xb[layer][m][slot, :, :, :r].zero_()
+            self._expert_holders[layer].discard(slot)
+        if self.expert_targets[slot]:
+            self._xranks[:, :, slot] = 0
+            self._xscales[:, :, slot] = 0.0
+        self.expert_targets[slot] = {}
         if slot in self.dora_slots:
             for layer in self.out_scales:
                 for t in layer.values():
@@ -168,10 +254,10 @@ class LoraSlots:
 
     def memory_bytes(self) -> int:
         """Device bytes held by all stacks, ranks and scales."""
-        weights = sum(t.nbytes for table in (self.a, self.b) for layer in table for t in layer.values())
+        weights = sum(t.nbytes for table in (self.a, self.b, self.xa, self.xb) for layer in table for t in layer.values())
         dora = sum(t.nbytes for layer in self.out_scales or () for t in layer.values())
         weights += self.vocab.memory_bytes()
-        return weights + self._ranks.nbytes + self._scales.nbytes + dora
+        return weights + self._ranks.nbytes + self._scales.nbytes + self._xranks.nbytes + self._xscales.nbytes + dora
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:

@@ -20,12 +20,28 @@ from loraplex import kernels
 class LoraPlan:
     """One step's adapter rows, in the form its backend computes them."""
 
-    __slots__ = ("backend", "dora_rows")
+    __slots__ = ("backend", "dora_rows", "seq", "_rows")
     one_call = False  # the model's one-call decode forward adds these deltas itself (RowSlots of a native backend)
 
     def __init__(self, backend: LoraBackend):
         self.backend = backend
         self.dora_rows = None  # int64 [T]: each row's out_scales row when a DoRA slot is resident (decision 052)
+        self.seq = None  # (seq_slots, cu) the plan was made from (host arrays), for row_slots
+        self._rows = None
+
+    def row_slots(self) -> torch.Tensor:
+        """int32 [T]: each row's adapter slot (-1: the base model), on the model's device; made once a plan."""
+        if self._rows is None:
+            if self.seq is None:
+                raise ValueError("this LoRA plan was made without its sequences' slots (LoraBackend.keep_rows)")
+            seq_slots, cu = self.seq
+            self._rows = self.backend.to_tensor(np.repeat(seq_slots, np.diff(cu)).astype(np.int32))
+        return self._rows
+
+    def apply_experts(self, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...], pair_slots: torch.Tensor) -> None:
+        """ys[i] += each routed (token, expert) row's delta for the experts' modules[i] of layer, in place: x [P, in]
+        the rows' input, pair_slots int32 [P] slot * num_experts + expert of each row (-1: no adapter). Decision 066."""
+        self.backend.apply_experts(self, ys, x, layer, modules, pair_slots)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """y += each row's adapter delta for module of layer, in place (x: the projection's input)."""
@@ -50,6 +66,7 @@ class RowSlots(LoraPlan):
     def __init__(self, backend: LoraBackend, token_slots: torch.Tensor):
         super().__init__(backend)
         self.token_slots = token_slots
+        self._rows = token_slots
         if backend.slots.dora_slots:
             self.dora_rows = backend.dora_index(token_slots)
 
@@ -76,6 +93,21 @@ class LoraBackend(ABC):
         """ys[i] += the deltas of modules[i], all reading x: by default one apply per module."""
         for y, module in zip(ys, modules):
             self.apply(plan, y, x, layer, module)
+
+    def apply_experts(self, plan: LoraPlan, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...],
+                      pair_slots: torch.Tensor) -> None:
+        """ys[i] += the experts' modules[i] deltas of routed rows (LoraPlan.apply_experts): a per-row gather over the
+        slots' expert stacks, slot * num_experts + expert being one stack (decision 066)."""
+        stacks = self.slots.expert_stacks[layer]
+        for y, module in zip(ys, modules):
+            a, b, ranks, scales = stacks[module]
+            v = kernels.lora_shrink_bgmv(x, a, pair_slots, ranks)
+            kernels.lora_expand_bgmv(y, v, b, pair_slots, ranks, scales)
+
+    def keep_rows(self, plan: LoraPlan, seq_slots: np.ndarray, cu: np.ndarray) -> LoraPlan:
+        """plan, knowing the sequences' slots and rows it was made from (LoraPlan.row_slots)."""
+        plan.seq = (seq_slots, cu)
+        return plan
 
     def with_dora(self, plan: LoraPlan, seq_slots: np.ndarray, cu: np.ndarray) -> LoraPlan:
         """plan, with each row's DoRA scale row when a step's rows include a DoRA slot (else unchanged)."""

@@ -28,6 +28,7 @@ class KernelLoraBackend(LoraBackend):
             return RowSlots(self, self.to_tensor(seq_slots))
         seg_starts, seg_slots = segments(seq_slots, cu)
         plan = Segments(self, self.to_tensor(seg_starts), self.to_tensor(seg_slots))
+        plan = self.keep_rows(plan, seq_slots, cu)
         return self.with_dora(plan, seq_slots, cu)  # DoRA: an elementwise per-row scale after expand
 
     fuse_groups = True  # a decode step's q/k/v and gate/up in one shrink and one expand launch each

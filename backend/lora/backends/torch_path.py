@@ -32,7 +32,7 @@ class TorchLoraBackend(LoraBackend):
 
     def plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool, rows_form: bool = False) -> TorchPlan:
         """The step's plan (_plan), with DoRA's per-row scales when a DoRA slot is in the step."""
-        return self.with_dora(self._plan(seq_slots, cu, is_decode), seq_slots, cu)
+        return self.keep_rows(self.with_dora(self._plan(seq_slots, cu, is_decode), seq_slots, cu), seq_slots, cu)
 
     def _plan(self, seq_slots: np.ndarray, cu: np.ndarray, is_decode: bool) -> TorchPlan:
         """A decode step is one dense run when every row has one adapter, else all tiles (the common case,

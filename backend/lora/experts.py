@@ -1,0 +1,391 @@
+"""LoRA on MoE experts: the base model's expert layout, and an adapter's expert tensors in either layout.
+
+Two layouts reach us (decision 066):
+
+- per-expert modules, as transformers 4.x and vLLM name them: ``layers.L.mlp.experts.E.gate_proj|up_proj|down_proj``
+  (Qwen3-MoE) or ``layers.L.block_sparse_moe.experts.E.w1|w3|w2`` (Mixtral: w1 gate, w3 up, w2 down), each a pair
+  A [r, in], B [out, r];
+- peft's ``target_parameters`` on transformers 5's fused expert tensors (peft's ParamWrapper), saved as
+  ``layers.L.mlp.experts[.base_layer].lora_A|lora_B.weight``: A [E * r, in] (expert e: rows e*r .. e*r + r - 1),
+  B [out, r * E] (expert e: columns k * E + e); gate_up_proj's out is [gate; up] (2I), and a wrapper nests
+  inside the next one in the order the experts module defines its parameters (gate_up_proj innermost).
+
+Both become, per (layer, expert projection), groups of experts of one rank and scale, A [n, r, in] and B [n, out, r]
+(ExpertLora): the adapted experts only, unpadded, so that an adapter holds what its file holds and no more. A
+gate_up_proj pair maps onto the gate and up projections with one A and B's two halves.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.exceptions import AdapterError
+
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")  # one expert's projections, as the slots key them
+FUSED_PARAMS = ("gate_up_proj", "down_proj")  # transformers 5's expert tensors, in the order the module defines them
+
+_PER_EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(lora_\w+?)(?:\.weight)?$")
+_FUSED = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.experts\.((?:base_layer\.)*)(lora_\w+?)(?:\.weight)?$")
+_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.gate\.(?:base_layer\.)*lora_")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A MoE checkpoint's experts: which layers route over how many experts, and the names its adapters use."""
+
+    family: str  # "mixtral" | "qwen3_moe"
+    num_experts: int
+    top_k: int
+    layers: tuple[int, ...]  # decoder layers with a sparse MoE block; the others keep a dense MLP
+    hidden: int
+    intermediate: int  # one expert's intermediate size
+    renormalize: bool  # the top-k routing weights renormalized to sum to 1
+    parent: str  # the experts' parent module in transformers 4.x names ("block_sparse_moe" or "mlp")
+    leaves: dict  # per-expert module name in transformers 4.x -> EXPERT_MODULES name
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each expert projection."""
+        h, i = self.hidden, self.intermediate
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def module_name(self, layer: int, expert: int, module: str) -> str:
+        """An expert projection's module name in transformers 4.x, e.g. model.layers.0.block_sparse_moe.experts.3.w1."""
+        leaf = next(k for k, v in self.leaves.items() if v == module)
+        return f"model.layers.{layer}.{self.parent}.experts.{expert}.{leaf}"
+
+    def param_key(self, layer: int, param: str) -> str:
+        """A fused expert tensor's name in transformers 5, e.g. model.layers.0.mlp.experts.gate_up_proj."""
+        return f"model.layers.{layer}.mlp.experts.{param}"
+
+    def max_tensors(self) -> int:
+        """Most expert tensors an adapter holds: lora_A and lora_B of each expert projection of each expert."""
+        return 2 * len(self.layers) * self.num_experts * len(EXPERT_MODULES)
+
+    def elements_per_rank(self) -> int:
+        """A and B elements per unit of rank over every expert projection (per-expert layout; the fused one holds
+        fewer: one A for gate and up)."""
+        return len(self.layers) * self.num_experts * sum(i + o for i, o in self.shapes().values())
+
+    def entry_kind(self, entry: str) -> str | None:
+        """'expert' or 'router' when a target_modules entry names (a dotted suffix of) a per-expert module or the
+        router in transformers 4.x names; None otherwise. Linear in the entry's length."""
+        parts = entry.split(".")
+        for kind, template in (("expert", ["model", "layers", "<L>", self.parent, "experts", "<E>", "<leaf>"]),
+                               ("router", ["model", "layers", "<L>", self.parent, "gate"]),
+                               ("router", ["model", "layers", "<L>", "mlp", "gate"])):
+            if 0 < len(parts) <= len(template) and all(
+                    _fits(part, want, self) for part, want in zip(parts, template[len(template) - len(parts):])):
+                return kind
+        return None
+
+
+def _fits(part: str, want: str, layout: ExpertLayout) -> bool:
+    if want == "<L>":
+        return part.isdigit() and int(part) in layout.layers
+    if want == "<E>":
+        return part.isdigit() and int(part) < layout.num_experts
+    if want == "<leaf>":
+        return part in layout.leaves
+    return part == want
+
+
+def expert_layout(hf_config) -> ExpertLayout | None:
+    """The experts of a Mixtral or Qwen3-MoE config (a transformers config or config.json's fields); None for a
+    dense model. ValueError on expert counts that do not make sense."""
+    model_type = getattr(hf_config, "model_type", None)
+    num_layers = int(hf_config.num_hidden_layers)
+    hidden = int(hf_config.hidden_size)
+    if model_type == "mixtral":
+        experts = _positive(hf_config, "num_local_experts", 8)
+        top_k = _positive(hf_config, "num_experts_per_tok", 2)
+        layers, inter = tuple(range(num_layers)), _positive(hf_config, "intermediate_size", None)
+        renormalize, parent = True, "block_sparse_moe"
+        leaves = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    elif model_type == "qwen3_moe":
+        experts = int(getattr(hf_config, "num_experts", 0) or 0)
+        if experts <= 0:
+            return None
+        top_k = _positive(hf_config, "num_experts_per_tok", 8)
+        step = _positive(hf_config, "decoder_sparse_step", 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        inter = _positive(hf_config, "moe_intermediate_size", None)
+        renormalize, parent = bool(getattr(hf_config, "norm_topk_prob", False)), "mlp"
+        leaves = {m: m for m in EXPERT_MODULES}
+    else:
+        return None
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is more than the {experts} experts")
+    if not layers:
+        return None
+    return ExpertLayout(model_type, experts, top_k, layers, hidden, inter, renormalize, parent, leaves)
+
+
+def _positive(cfg, name: str, default) -> int:
+    value = getattr(cfg, name, None)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config {name}={value!r} must be a positive integer")
+    return value
+
+
+@dataclass(slots=True)
+class ExpertLora:
+    """Experts of one rank and scale in one expert projection of one layer: their A [n, r, in] and B [n, out, r]."""
+
+    experts: tuple[int, ...]
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+
+def take_expert_tensors(tensors: dict[str, torch.Tensor], layout: ExpertLayout, num_layers: int,
+                        where: str) -> dict[str, torch.Tensor]:
+    """Remove the expert tensors from ``tensors`` and return them; AdapterError for LoRA on the router and for
+    expert tensor names that fit neither layout."""
+    taken = {}
+    for name in list(tensors):
+        short = name.removeprefix("base_model.model.")
+        router = _ROUTER.match(short)
+        if router is not None and router.group(2) in (layout.parent, "mlp"):
+            raise AdapterError(f"{where}: tensor {name}: LoRA on the MoE router (model.layers.{router.group(1)}."
+                               f"{router.group(2)}.gate) is not served; train the adapter without the router "
+                               f"(target_parameters without gate.weight, target_modules without gate)")
+        if ".experts." in f".{short}" or ".shared_expert" in short:
+            if ".shared_expert" in short:
+                raise AdapterError(f"{where}: tensor {name}: LoRA on shared experts is not served")
+            taken[name] = tensors.pop(name)
+    return taken
+
+
+def parse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout, settings, where: str, rx,
+                  max_lora_rank: int, dtype) -> dict[tuple[int, str], list[ExpertLora]]:
+    """The expert LoRA of an adapter's expert tensors (take_expert_tensors), checked against its config (settings:
+    adapter._Settings) and the layout: (layer, EXPERT_MODULES name) -> its experts, grouped by rank and scale."""
+    per_expert, fused = {}, {}
+    for name, t in tensors.items():
+        short = name.removeprefix("base_model.model.")
+        m = _PER_EXPERT.match(short)
+        if m is not None:
+            layer, parent, expert, leaf, kind = int(m.group(1)), m.group(2), int(m.group(3)), m.group(4), m.group(5)
+            _check_kind(name, kind, where)
+            if parent != layout.parent or leaf not in layout.leaves:
+                raise AdapterError(f"{where}: tensor {name}: unknown expert module {parent}.experts.{expert}.{leaf}; "
+                                   f"this base model's experts are {layout.parent}.experts.<e>."
+                                   f"{{{','.join(layout.leaves)}}}")
+            _check_layer(name, layer, layout, where)
+            if expert >= layout.num_experts:
+                raise AdapterError(f"{where}: tensor {name} is for expert {expert}, but the base model has "
+                                   f"{layout.num_experts} experts (0..{layout.num_experts - 1})")
+            _put(per_expert, (layer, layout.leaves[leaf], expert), kind, name, t, where)
+            continue
+        m = _FUSED.match(short)
+        if m is None or m.group(2) != "mlp":
+            raise AdapterError(f"{where}: unexpected tensor name {name}")
+        layer, depth, kind = int(m.group(1)), m.group(3).count("base_layer."), m.group(4)
+        _check_kind(name, kind, where)
+        _check_layer(name, layer, layout, where)
+        _put(fused, (layer, depth), kind, name, t, where)
+    if per_expert and fused:
+        raise AdapterError(f"{where}: the adapter mixes per-expert modules ({_first(per_expert)}) and fused expert "
+                           f"parameters ({_first(fused)})")
+    if settings.use_dora and (per_expert or fused):
+        raise AdapterError(f"{where}: DoRA (use_dora) on MoE experts is not supported (tensor "
+                           f"{_first(per_expert or fused)})")
+    if fused or settings.target_parameters:
+        return _fused_experts(fused, layout, settings, where, rx, max_lora_rank, dtype)
+    if per_expert:
+        return _per_expert(per_expert, layout, settings, where, rx, max_lora_rank, dtype)
+    return {}
+
+
+def _first(groups: dict) -> str:
+    """The first tensor name of grouped tensors (for messages)."""
+    return min(name for found in groups.values() for name, _ in found.values())
+
+
+def _check_kind(name: str, kind: str, where: str) -> None:
+    if kind == "lora_magnitude_vector":
+        raise AdapterError(f"{where}: tensor {name}: DoRA (use_dora) on MoE experts is not supported")
+    if kind not in ("lora_A", "lora_B"):
+        raise AdapterError(f"{where}: tensor {name}: {kind} is not supported on MoE experts (plain LoRA only)")
+
+
+def _check_layer(name: str, layer: int, layout: ExpertLayout, where: str) -> None:
+    if layer not in layout.layers:
+        raise AdapterError(f"{where}: tensor {name} is for experts of layer {layer}, which has none (the base "
+                           f"model's MoE layers are {_span(layout.layers)})")
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if list(layers) == list(range(layers[0], layers[-1] + 1)) else str(list(layers))
+
+
+def _put(groups: dict, key, kind: str, name: str, t: torch.Tensor, where: str) -> None:
+    slot = groups.setdefault(key, {})
+    ab = kind[-1]
+    if ab in slot:
+        raise AdapterError(f"{where}: duplicate tensors for lora_{ab}: {slot[ab][0]} and {name}")
+    slot[ab] = (name, t)
+
+
+def _pair(found: dict, what: str, where: str):
+    if set(found) != {"A", "B"}:
+        have = next(iter(found))
+        raise AdapterError(f"{where}: incomplete LoRA pair for {what}: {found[have][0]} present, "
+                           f"lora_{'B' if have == 'A' else 'A'} missing")
+    return found["A"], found["B"]
+
+
+def _per_expert(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+                dtype) -> dict[tuple[int, str], list[ExpertLora]]:
+    """Per-expert modules: each targeted expert projection's own pair, stacked with the experts of its rank and
+    scale."""
+    from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, _checked, _rank_alpha, lora_scale
+
+    match = Targets(s, rx)
+    targeted = {(layer, module, e) for layer in layout.layers for e in range(layout.num_experts)
+                for module in EXPERT_MODULES if match(layout.module_name(layer, e, module))}
+    for key in sorted(set(groups) - targeted):
+        raise AdapterError(f"{where}: tensor {_first({key: groups[key]})} is for "
+                           f"{layout.module_name(key[0], key[2], key[1])}, which {CONFIG_FILE} does not target "
+                           f"(target_modules / layers_to_transform / exclude_modules)")
+    for key in sorted(targeted - set(groups)):
+        raise AdapterError(f"{where}: {CONFIG_FILE} targets {layout.module_name(key[0], key[2], key[1])} but "
+                           f"{WEIGHTS_FILE} has no lora_A / lora_B tensors for it")
+    out = {}
+    shapes = layout.shapes()
+    for layer in layout.layers:
+        for module in EXPERT_MODULES:
+            keys = [(layer, module, e) for e in range(layout.num_experts) if (layer, module, e) in groups]
+            if not keys:
+                continue
+            in_f, out_f = shapes[module]
+            pairs = {}
+            for key in keys:
+                full = layout.module_name(layer, key[2], module)
+                r, alpha = _rank_alpha(s, full, rx)
+                if r > max_lora_rank:
+                    raise AdapterError(f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+                (a_name, a), (b_name, b) = _pair(groups[key], full, where)
+                pairs[key[2]] = (_checked(a_name, a, (r, in_f), dtype, where), _checked(b_name, b, (out_f, r), dtype, where),
+                                 r, lora_scale(alpha, r, s.use_rslora))
+            by_rank: dict[tuple[int, float], list[int]] = {}
+            for e, (_a, _b, r, scale) in pairs.items():
+                by_rank.setdefault((r, scale), []).append(e)
+            out[(layer, module)] = [
+                ExpertLora(tuple(experts), torch.stack([pairs[e][0] for e in experts]),
+                           torch.stack([pairs[e][1] for e in experts]), scale)
+                for (_r, scale), experts in by_rank.items()]
+    return out
+
+
+def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+                   dtype) -> dict[tuple[int, str], list[ExpertLora]]:
+    """peft's target_parameters on the fused expert tensors: each wrapper's A [E*r, in] and B [out, r*E]."""
+    from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, _checked, _rank_alpha, lora_scale
+
+    params = targeted_params(s.target_parameters or [], layout, where)
+    for layer, depth in sorted(groups):
+        if depth >= len(params.get(layer, ())):
+            raise AdapterError(
+                f"{where}: tensor {_first({0: groups[(layer, depth)]})} is for a parameter of "
+                f"{layout.param_key(layer, '')[:-1]} that {CONFIG_FILE}'s target_parameters do not select "
+                f"(they select {', '.join(params.get(layer, ())) or 'none'} of its gate_up_proj, down_proj)")
+    e, h, i = layout.num_experts, layout.hidden, layout.intermediate
+    dims = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}  # (in, out) as peft's ParamWrapper sees them
+    out = {}
+    for layer, selected in params.items():
+        for index, param in enumerate(selected):
+            full = layout.param_key(layer, param)
+            found = groups.get((layer, len(selected) - 1 - index))  # the first-defined parameter is innermost
+            if found is None:
+                raise AdapterError(f"{where}: {CONFIG_FILE} targets {full} (target_parameters) but {WEIGHTS_FILE} "
+                                   f"has no lora_A / lora_B tensors for it")
+            r, alpha = _rank_alpha(s, full, rx)
+            if r > max_lora_rank:
+                raise AdapterError(f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+            (a_name, a), (b_name, b) = _pair(found, full, where)
+            in_f, out_f = dims[param]
+            a = _checked(a_name, a, (e * r, in_f), dtype, where).view(e, r, in_f)
+            b = _checked(b_name, b, (out_f, r * e), dtype, where).view(out_f, r, e).permute(2, 0, 1)  # [E, out, r]
+            every, scale = tuple(range(e)), lora_scale(alpha, r, s.use_rslora)
+            if param == "down_proj":
+                out[(layer, "down_proj")] = [ExpertLora(every, a, b.contiguous(), scale)]
+            else:  # [gate; up]: one A, B's halves
+                out[(layer, "gate_proj")] = [ExpertLora(every, a, b[:, :i].contiguous(), scale)]
+                out[(layer, "up_proj")] = [ExpertLora(every, a, b[:, i:].contiguous(), scale)]
+    return out
+
+
+def targeted_params(entries: list[str], layout: ExpertLayout, where: str) -> dict[int, list[str]]:
+    """The fused expert tensors target_parameters select, per layer in the order the module defines them (peft
+    matches an entry that equals a parameter's name or ends it after a dot, in every layer); AdapterError for an
+    entry that selects the router or nothing served."""
+    selected: dict[int, list[str]] = {}
+    for entry in entries:
+        hits = 0
+        for layer in layout.layers:
+            if _suffix_of(entry, f"model.layers.{layer}.mlp.gate.weight"):
+                raise AdapterError(f"{where}: target_parameters entry {entry!r} selects the MoE router "
+                                   f"(model.layers.{layer}.mlp.gate.weight): LoRA on the router is not served")
+            for param in FUSED_PARAMS:
+                if _suffix_of(entry, layout.param_key(layer, param)):
+                    hits += 1
+                    selected.setdefault(layer, [])
+                    if param not in selected[layer]:
+                        selected[layer].append(param)
+        if not hits:
+            raise AdapterError(f"{where}: target_parameters entry {entry!r} selects none of the experts' "
+                               f"gate_up_proj and down_proj (mlp.experts.gate_up_proj / mlp.experts.down_proj), "
+                               f"the only parameters LoRA is served on")
+    return {layer: sorted(params, key=FUSED_PARAMS.index) for layer, params in sorted(selected.items())}
+
+
+def _suffix_of(entry: str, key: str) -> bool:
+    return key == entry or key.endswith("." + entry)
+
+
+class Targets:
+    """peft's check_target_module_exists for many module names: list entries looked up by dotted suffix (a set
+    lookup per suffix, not a scan of the list per name)."""
+
+    def __init__(self, s, rx):
+        self.s, self.rx = s, rx
+        self.targets = None if isinstance(s.target_modules, str) else frozenset(s.target_modules or ())
+        ex = s.exclude_modules
+        self.excludes = frozenset(ex) if ex and not isinstance(ex, str) else None
+
+    def __call__(self, key: str) -> bool:
+        s, rx = self.s, self.rx
+        parts = key.split(".")
+        suffixes = {".".join(parts[i:]) for i in range(len(parts))}
+        if isinstance(s.exclude_modules, str) and s.exclude_modules:
+            if rx.fullmatch("exclude_modules", s.exclude_modules, key):
+                return False
+        elif self.excludes and suffixes & self.excludes:
+            return False
+        if self.targets is None:
+            return s.target_modules == "all-linear" or rx.fullmatch("target_modules", s.target_modules, key) is not None
+        if key in self.targets:
+            return True
+        if not suffixes & self.targets:
+            return False
+        if s.layers_to_transform is None:
+            return True
+        if s.layers_pattern is None:
+            found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            found = None
+            for pattern in s.layers_pattern:
+                found = rx.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+                if found:
+                    break
+        return found is not None and int(found.group("idx")) in s.layers_to_transform
