@@ -28,7 +28,7 @@ import torch
 
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.vocab import VocabSlots
-from loraplex.lora.experts import EXPERT_MODULES, ExpertLayout
+from loraplex.lora.moe_layout import EXPERT_MODULES, ExpertLayout
 from loraplex.lora.shapes import MODULES, PARENTS
 
 

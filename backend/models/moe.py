@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.experts import ExpertLayout, expert_layout
+from loraplex.lora.moe_layout import ExpertLayout, expert_layout
 
 
 class MoeBlock:

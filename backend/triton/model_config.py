@@ -25,6 +25,9 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[\w]+\.)*?(qkv_proj|q_proj|k_proj|v_proj|o_proj|gate_up_proj|gate_proj|up_proj"
                      r"|down_proj)"
                      r"\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
+# a MoE expert's tensors: per-expert modules (group 2: the module) or peft's target_parameters wrappers (decision 066)
+_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.\w+\.experts\.(?:\d+\.(\w+)\.|(?:base_layer\.)*)(lora_A|lora_B)"
+                            r"\.weight$")
 # embed_tokens' and lm_head's tensors (loraplex.lora.vocab) -> which of their dims is the module's input / output
 _VOCAB_TENSOR = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(lora_embedding_A|lora_A\.weight|lora_embedding_B|lora_B\.weight"
                            r"|token_adapter\.trainable_tokens_delta|base_layer\.weight)$")
@@ -50,14 +53,19 @@ def configured_model_dir(model_config: dict, model_dir: Path) -> str | None:
 def base_shapes(model_dir: str) -> tuple[int, dict[str, tuple[int, int]]]:
     """(layers, module -> (in, out)) of the checkpoint's config.json (no transformers import), the modules named
     as adapters for it name them (Phi-3's fused qkv_proj and gate_up_proj)."""
+    from loraplex.lora.moe_layout import expert_layout
     from loraplex.lora.shapes import checkpoint_modules, module_shapes
 
     hf = SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text()))
     ours = module_shapes(hf)
     vocab, hidden = int(hf.vocab_size), int(hf.hidden_size)
+    layout = expert_layout(hf)  # a MoE model's experts: "experts.<module>" (per expert, or fused) -> (in, out)
+    experts = {} if layout is None else {
+        **{f"experts.{leaf}": layout.shapes()[module] for leaf, module in layout.leaves.items()},
+        "experts.gate_up_proj": (hidden, 2 * layout.intermediate), "experts.down_proj": (layout.intermediate, hidden)}
     return int(hf.num_hidden_layers), {**{name: (ours[parts[0]][0], sum(ours[m][1] for m in parts))
                                           for name, parts in checkpoint_modules(hf).items()},
-                                       "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
+                                       "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab), **experts}
 
 
 def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]]) -> str | None:
@@ -84,6 +92,13 @@ def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]
         return "adapter_model.safetensors has no valid header"
     fitted = 0
     for key, entry in header.items():
+        expert = _EXPERT_TENSOR.search(key)
+        if expert is not None:
+            why = _expert_mismatch(key, entry, expert, shapes)
+            if why is not None:
+                return why
+            fitted += 1
+            continue
         match = _TENSOR.search(key)
         if key != "__metadata__" and match is None and _VOCAB_TENSOR.search(key):
             why = _vocab_mismatch(key, entry, shapes)
@@ -107,6 +122,21 @@ def adapter_mismatch(folder: str, layers: int, shapes: dict[str, tuple[int, int]
             return f"{key} has shape {shape}: the base model's {module} has {fan_out} outputs"
         fitted += 1
     return None if fitted else "no LoRA weights of a module the base model has"
+
+
+def _expert_mismatch(key: str, entry, match, shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why a tensor on a MoE expert does not fit the base model's experts (a fused one: either parameter)."""
+    leaf, part = match.groups()
+    names = [f"experts.{leaf}"] if leaf else ["experts.gate_up_proj", "experts.down_proj"]
+    if not any(n in shapes for n in names):
+        return f"{key} is for MoE experts{f' ({leaf})' if leaf else ''}, which the base model does not have"
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 2):
+        return f"{key} has shape {shape}, not 2-D"
+    if not any(n in shapes and (shape[1] if part == "lora_A" else shape[0]) == shapes[n][part == "lora_B"]
+               for n in names):
+        return f"{key} has shape {shape}: the base model's experts are {[list(shapes[n]) for n in names if n in shapes]} (in, out)"
+    return None
 
 
 def _vocab_mismatch(key: str, entry, shapes: dict[str, tuple[int, int]]) -> str | None:
