@@ -52,6 +52,7 @@ from pathlib import Path
 
 from loraplex.exceptions import AdapterError, AdapterNotFound, AdapterStoreError, StoreFull
 from loraplex.lora.adapter import CONFIG_FILE, DTYPE_SIZES, MAX_CONFIG_BYTES, WEIGHTS_FILE, adapter_digest, check_safetensors_header, max_adapter_tensors, max_header_bytes, parse_peft_adapter, uses_dora
+from loraplex.lora.moe_layout import expert_layout
 from loraplex.lora.shapes import module_shapes
 from loraplex.lora.vocab import max_vocab_bytes
 
@@ -153,6 +154,8 @@ def max_weights_bytes(hf_config, max_lora_rank: int) -> int:
     and the vocabulary's tensors (lora/vocab.py)."""
     layers = int(hf_config.num_hidden_layers)
     elements = max_lora_rank * layers * sum(i + o for i, o in module_shapes(hf_config).values())
+    experts = expert_layout(hf_config)  # a MoE model's: each expert's projections (decision 066)
+    elements += max_lora_rank * experts.elements_per_rank() if experts is not None else 0
     return (8 + max_header_bytes(max_adapter_tensors(hf_config)) + elements * max(DTYPE_SIZES.values())
             + max_vocab_bytes(hf_config, max_lora_rank))
 
