@@ -16,6 +16,7 @@ the embedding's before any embedding scale (Gemma) and the lm_head's before any 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,6 +38,7 @@ MAX_VOCAB_TENSORS = 2 * 4
 _PREFIX = "base_model.model."
 _KINDS = {EMBED: {"lora_embedding_A": "A", "lora_embedding_B": "B"},
           LM_HEAD: {"lora_A.weight": "A", "lora_B.weight": "B"}}
+_NAMED = re.compile(r"^(?:(lora_[AB])\.(?!weight$)[\w-]+(\.weight)|(lora_embedding_[AB])\.[\w-]+)$")
 _TOKENS, _BASE = "token_adapter.trainable_tokens_delta", "base_layer.weight"
 _FLOATS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 BASE_COPY_RTOL = 2.0 ** -8  # a base copy saved in a 16-bit float rounds each value by at most this much
@@ -64,6 +66,9 @@ def max_vocab_bytes(hf_config, max_lora_rank: int) -> int:
 
 def _kind(module: str, rest: str, tensor_name: str, where: str) -> str:
     """'A', 'B', 'T' (trainable tokens' rows) or 'base'; AdapterError naming what else the tensor is."""
+    named = _NAMED.match(rest)  # an adapter-name segment (lora_A.default.weight), as adapter.py accepts
+    if named:
+        rest = named.group(3) or named.group(1) + named.group(2)
     if rest in _KINDS[module]:
         return _KINDS[module][rest]
     if rest == _TOKENS:
@@ -154,7 +159,10 @@ def parse_vocab(cfg: dict, tensors: dict[str, torch.Tensor], targeted: Callable[
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {m: {} for m in VOCAB_MODULES}
     for tensor_name, t in tensors.items():
         module, rest = vocab_module(tensor_name)
-        found[module][_kind(module, rest, tensor_name, where)] = (tensor_name, t)
+        kind = _kind(module, rest, tensor_name, where)
+        if kind in found[module]:
+            raise AdapterError(f"{where}: duplicate tensors {found[module][kind][0]} and {tensor_name}")
+        found[module][kind] = (tensor_name, t)
     lora_on = {m for m in VOCAB_MODULES if targeted(m)}
     if cfg.get("ensure_weight_tying") is True and tied and EMBED in lora_on:
         lora_on.add(LM_HEAD)  # peft ties the lm_head's LoRA to the embedding's
@@ -209,7 +217,8 @@ def _token_indices(value, vocab: int, tied: bool, where: str) -> dict[str, list[
     if value is None:
         return {}
     field_name = "trainable_token_indices"
-    if isinstance(value, list):
+    listed = isinstance(value, list)
+    if listed:
         value = {"embed_tokens": value}
     if not isinstance(value, dict) or not value:
         raise AdapterError(f"{where}: {field_name} must be a list of token ids or a dict of module name -> ids")
@@ -221,7 +230,7 @@ def _token_indices(value, vocab: int, tied: bool, where: str) -> dict[str, list[
                                f"lm_head are served")
         if module in per_module:
             raise AdapterError(f"{where}: {field_name} names {SHORT[module]} twice")
-        per_module[module] = _ids(ids, vocab, f"{field_name}[{key!r}]", where)
+        per_module[module] = _ids(ids, vocab, field_name if listed else f"{field_name}[{key!r}]", where)
     if tied and EMBED in per_module and per_module.get(LM_HEAD, per_module[EMBED]) == per_module[EMBED]:
         return {EMBED: per_module[EMBED], LM_HEAD: None}  # peft ties the lm_head to the embedding's rows
     return dict(per_module)

@@ -7,8 +7,6 @@ logprob of the chosen token equals peft's teacher-forced log-softmax."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +34,7 @@ PROMPTS = {"base": "The quick brown fox", "embed": "Hello there, world", "lm": "
            "tok-a": "The other one", "tok-b": "The other one", "mixed": "The quick brown fox"}
 
 
-def build_adapter(model_dir: str, out: Path, seed: int, save_embedding_layers="auto", **config) -> str:
+def build_adapter(model_dir: str, out, seed: int, save_embedding_layers="auto", **config) -> str:
     """A peft adapter with random non-zero LoRA weights and trained rows unlike the base rows."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -57,7 +55,7 @@ def build_adapter(model_dir: str, out: Path, seed: int, save_embedding_layers="a
     return str(out)
 
 
-def build_adapters(model_dir: str, root: Path) -> dict[str, str]:
+def build_adapters(model_dir: str, root) -> dict[str, str]:
     return {
         "embed": build_adapter(model_dir, root / "embed", 1, target_modules=["embed_tokens", "q_proj"]),
         "lm": build_adapter(model_dir, root / "lm", 2, save_embedding_layers=False, target_modules=["lm_head"],
@@ -154,3 +152,89 @@ def test_multi_lora_fitting_reads_the_vocabulary_tensors(built, tmp_path):
     why = adapter_mismatch(str(resized), *base_shapes(model_dir))
     assert why is not None and why.startswith(f"{key} has shape [8, 272]"), why
     assert fitting_adapters({**adapters, "resized": str(resized)}, model_dir) == adapters
+
+
+class EagerGraphs:
+    """Stands in for the CUDA decode graphs on the CPU: each decode step "replays" the forward the graphs capture,
+    run eagerly, which takes no vocabulary plan (a captured embedding lookup cannot see one)."""
+
+    def __init__(self, runner):
+        self.runner, self.replays = runner, 0
+
+    def serves(self, step) -> bool:
+        return step.is_decode
+
+    def run(self, step, adapter_slots):
+        r = self.runner
+        attn = AttentionBatch(*(r._tensor(a) for a in (step.positions, step.slot_mapping, step.block_tables,
+                                                        step.context_lens, step.cu)), True)
+        lora = None if adapter_slots is None else r.lora.rows(r._tensor(np.asarray(adapter_slots, np.int32)))
+        self.replays += 1
+        return r.model.forward(r._tensor(step.input_ids), attn, r.kv_cache, lora)
+
+
+@pytest.mark.parametrize("batch,replayed", [({"lm": "lm", "base": None}, True),
+                                            ({"tok-a": "tok-a", "lm": "lm"}, False)],
+                         ids=["lm_head-only", "embedding-rows"])
+def test_decode_graphs_replay_only_steps_without_embedding_parts(built, batch, replayed):
+    """A step whose rows' adapters change the embedding runs eagerly; lm_head parts come after the graph."""
+    model_dir, adapters = built("untied")
+    engine = engine_for(model_dir, adapters)
+    engine.runner.graphs = graphs = EagerGraphs(engine.runner)
+    requests, tokens, logprobs = run_batch(engine, batch)
+    assert bool(graphs.replays) == replayed
+    assert_equal_peft(model_dir, adapters, batch, requests, tokens, logprobs, "graphs")
+
+
+def _edit(folder, config=None, tensors=None):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    if config is not None:
+        data = json.loads((folder / "adapter_config.json").read_text())
+        config(data)
+        (folder / "adapter_config.json").write_text(json.dumps(data))
+    if tensors is not None:
+        data = load_file(str(folder / "adapter_model.safetensors"))
+        tensors(data)
+        save_file(data, str(folder / "adapter_model.safetensors"))
+
+
+EMBED_COPY = "base_model.model.model.embed_tokens.base_layer.weight"
+REFUSED = {
+    # a token added beyond the base vocabulary (264 rows): the logits would widen for every tenant
+    "new-token": ("tok-a", dict(config=lambda c: c["trainable_token_indices"].__setitem__(-1, 264)),
+                  "trainable_token_indices lists token id 264, outside the base model's vocabulary (0..263)"),
+    "modules-to-save": ("tok-a", dict(config=lambda c: c.update(modules_to_save=["lm_head"])),
+                        "modules_to_save (fully trained modules) is not supported: a fully trained embed_tokens or "
+                        "lm_head is a [vocab x hidden] copy per adapter slot"),
+    # peft's saved copy of the base embedding, from another checkpoint (checked against the served one at load)
+    "other-base": ("embed", dict(tensors=lambda t: t[EMBED_COPY][5].add_(0.5)),
+                   f"tensor {EMBED_COPY}, peft's copy of the base embed_tokens, differs from the served base model's "
+                   f"(row 5)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_vocabulary_adapters_fail_their_requests_with_the_reason(built, tmp_path, case):
+    import shutil
+
+    source, edits, message = REFUSED[case]
+    model_dir, adapters = built("untied")
+    folder = tmp_path / case
+    shutil.copytree(adapters[source], folder)
+    _edit(folder, **edits)
+    engine = engine_for(model_dir, {"bad": str(folder)}, max_loras=1)
+    for rid, lora in (("bad", "bad"), ("base", None)):
+        params = {"temperature": 0, "max_tokens": 2} | ({"lora_name": lora} if lora else {})
+        engine.add_request(engine.make_request(rid, "Hello", SamplingParams.from_dict(params), "t"))
+    errors, done = {}, set()
+    while engine.has_work():
+        for out in engine.step():
+            errors[out.request_id] = out.error
+            done.add(out.request_id)
+    assert errors["base"] is None and done == {"bad", "base"}
+    assert message in str(errors["bad"]), errors["bad"]
