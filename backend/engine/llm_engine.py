@@ -17,7 +17,7 @@ from loraplex.worker.decode_graphs import build_decode_graphs
 from loraplex.engine.stats import EngineStats
 from loraplex.kv_cache.hashing import namespace_key
 from loraplex.kv_cache.manager import KVCacheManager
-from loraplex.kv_cache.window import kv_window
+from loraplex.kv_cache.window import common_window
 from loraplex.exceptions import AdapterError, AdapterNotFound, EngineShuttingDown, InvalidRequest, RequestCancelled
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
 from loraplex.lora.experts import expert_layout
@@ -92,8 +92,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
         num_blocks = self._num_kv_blocks()
-        window = kv_window(hf_config)  # every layer slides: blocks behind the window are freed (decision 065)
-        self.kv_window = window if window is not None and window < max_len else None
+        # every layer's attention slides over one window shorter than max_model_len: blocks behind it are freed
+        self.kv_window = common_window(self.model.family.layer_windows)  # decision 065
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_window)
         kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         shapes = module_shapes(self.model.config)

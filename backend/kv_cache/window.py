@@ -4,7 +4,9 @@ A block can leave a sequence's table only when no layer will read it again, so a
 counts only when every layer slides over the same one: Mistral's ``sliding_window``,
 Mixtral's and Phi-3's, Qwen2/Qwen3's with ``use_sliding_window`` and ``max_window_layers``
 0 (HF slides layers ``i >= max_window_layers``), or ``layer_types`` all "sliding_attention".
-Interleaved checkpoints (Gemma 2/3: some layers attend fully) free nothing.
+Interleaved checkpoints (Gemma 2/3: some layers attend fully) free nothing. The engine asks
+``common_window`` of the windows the model's attention uses per layer; ``kv_window`` reads the
+same from a transformers config.
 """
 
 from __future__ import annotations
@@ -23,3 +25,12 @@ def kv_window(config) -> int | None:
     if max_window_layers and hasattr(config, "use_sliding_window"):
         return None
     return int(window)
+
+
+def common_window(layer_windows) -> int | None:
+    """W when every layer's window (None: full attention) is the same W, else None."""
+    windows = set(layer_windows)
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    return int(window) if window else None

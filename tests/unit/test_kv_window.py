@@ -8,7 +8,8 @@ from transformers import (
 )
 
 from loraplex.kv_cache import KVCacheManager, namespace_key
-from loraplex.kv_cache.window import kv_window
+from loraplex.kv_cache.window import common_window, kv_window
+from loraplex.models.family import layer_windows
 
 NS = namespace_key("tenant-a", None)
 BS = 4
@@ -65,6 +66,13 @@ def decode(kv, seq, tokens, steps):
 ])
 def test_a_window_counts_only_when_every_layer_slides_over_it(config, window):
     assert kv_window(config) == window
+    assert common_window(layer_windows(config)) == window  # what the engine asks of the model's attention
+
+
+def test_common_window():
+    assert common_window((W, W, W)) == W
+    assert common_window((W, None)) is None and common_window((W, 2 * W)) is None
+    assert common_window((None, None)) is None and common_window(()) is None
 
 
 # ----------------------------------------------------------------- freeing as the window moves
