@@ -288,7 +288,7 @@ class KVCacheManager:
             raise ValueError(f"seq {child_id!r} already has blocks")
         table = self._tables[parent_id]
         skipped = self._skipped.get(parent_id, 0)
-        self.pool.touch(table[skipped:])
+        self.pool.touch(table[skipped:] if skipped else table)
         self._tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes[parent_id])
         if self.window is not None:
@@ -312,7 +312,7 @@ class KVCacheManager:
         if self._copy_pairs:
             mine = set(table)
             self._copy_pairs = [p for p in self._copy_pairs if p[1] not in mine]
-        self.pool.release(reversed(table[skipped:]))
+        self.pool.release(reversed(table[skipped:] if skipped else table))
 
     def source_blocks(self, seq_id: SeqId, num_tokens: int) -> list[int]:
         """Blocks holding the seq's first num_tokens tokens as they are before pending copies run; with a window
