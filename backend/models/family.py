@@ -1,9 +1,10 @@
 """What sets a checkpoint's family apart from Llama, read once from its HF config (decision 068).
 
 The decoder in llama.py is one house for every family; each quirk below is a field, and the
-forward pass branches on fields, never on family names. A family whose fields are all Llama's
-(Llama, Mistral without a window, Qwen2, Phi-3 once its fused weights are split) keeps every fast
-path; the rest take the per-op path, whose ops cover each quirk.
+forward pass branches on fields, never on family names. Every family keeps the packed or fused
+projections; those whose layers the native one-call decode computes (Llama, Mistral and Qwen2 with
+or without windows, Phi-3 with whole-head rotary) keep it too; the rest decode on the per-op path,
+whose ops cover each quirk.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ class Family:
     moe: bool = False  # the MLP is a routed mixture of experts (models/moe.py)
 
     @property
-    def llama_like(self) -> bool:
-        """Whether every layer computes what Llama's does, so that the fused, packed and one-call paths serve it."""
-        return (not (self.qk_norm or self.sandwich_norms or self.attn_softcap or self.final_softcap or self.moe)
-                and self.activation == "silu" and self.embed_scale is None and self.rotary_dim == self.head_dim
-                and all(w is None for w in self.layer_windows) and len(set(self.layer_rope)) <= 1)
+    def one_call_decode(self) -> bool:
+        """Whether the native one-call decode forward computes this family's layers: Llama's, with per-layer
+        windows and soft-capped attention (the embedding's scale and the final cap lie outside the call)."""
+        return (not (self.qk_norm or self.sandwich_norms or self.moe) and self.activation == "silu"
+                and self.rotary_dim == self.head_dim and len(set(self.layer_rope)) <= 1)
 
 
 def supported() -> str:

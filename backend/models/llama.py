@@ -82,9 +82,9 @@ def _llama_family(cfg, head_dim: int) -> Family:
 class LlamaModel:
     """Weights of a checkpoint of any supported family and its forward pass.
 
-    ``family`` (models.family) holds the checkpoint's quirks. A Llama-like family keeps every fast path
-    (packed or fused projections, the native one-call decode); the others run the per-op forward, whose
-    steps cover each quirk, with packed projections where the CPU packs them.
+    ``family`` (models.family) holds the checkpoint's quirks. Every family keeps the packed or fused
+    projections; the native one-call decode serves the families whose layers it computes
+    (Family.one_call_decode), the others decode on the per-op forward, whose steps cover each quirk.
 
     ``fp16_weights`` (CPU, fp32): the projections and ``lm_head`` keep their weights in fp16
     and multiply in fp32 (kernels.packed_linear: the native GEMM, else FBGEMM), reading half the
@@ -172,10 +172,12 @@ class LlamaModel:
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
-        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels) and self.family.llama_like:
+        fam = self.family
+        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels) and fam.one_call_decode:
+            variants = [{"window": w, "softcap": fam.attn_softcap} for w in fam.layer_windows]
             self.native_decode = cpu_native.DecodeForward(
-                [{**layer, **packed} for layer, packed in zip(self.layers, self.packed)], self.norm, self.rope.cos,
-                self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+                [{**layer, **packed, **v} for layer, packed, v in zip(self.layers, self.packed, variants)], self.norm,
+                self.rope.cos, self.rope.signed_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
 
     def _fuse_base(self) -> None:
         """q/k/v and gate/up concatenated once into one weight each (one GEMM, its output split by views:

@@ -13,9 +13,9 @@ DENSE_FAMILIES: dict[str, dict] = {
     # q/k RMSNorm per head, head_dim 32 != 64 / 4, tied embeddings
     "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
     # (1 + w) norms, sandwich norms, the scaled embedding, GeGLU, query_pre_attn_scalar, soft-capping (caps
-    # small enough to matter on random weights), interleaved local/global layers (windows off: within max len)
-    "gemma2": dict(model_type="gemma2", head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=3.0, tie_word_embeddings=True),
+    # small enough to matter on random weights), interleaved local and global layers, head_dim 256
+    "gemma2": dict(model_type="gemma2", head_dim=256, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, sliding_window=WINDOW, tie_word_embeddings=True),
     # Gemma 3: q/k norms, a local rotary base on sliding layers and a linear-scaled global one, windows of WINDOW
     "gemma3": dict(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
