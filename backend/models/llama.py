@@ -19,7 +19,7 @@ from loraplex.lora.shapes import MODULES, PARENTS, module_shapes
 from loraplex.kernels import reference
 from loraplex.models.family import CHECKPOINT_FUSED, FAMILIES as FAMILY_ARCHITECTURES, Family, family_of, rope_settings
 from loraplex.models.loader import load_hf_config, load_safetensors
-from loraplex.models.rope import RotaryEmbedding
+from loraplex.models.rope import RotaryEmbedding, attention_scaling
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
 # fewer, longer weight streams for the same bytes, and the same values (each output column is its own sum;
@@ -125,7 +125,8 @@ class LlamaModel:
         self.norm = self._norm_weight(w.pop("model.norm.weight"))
         self.embed_scale = None if fam.embed_scale is None else torch.tensor(fam.embed_scale, dtype=dtype, device=device)
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
-        self.ropes = {t: RotaryEmbedding(rope_settings(cfg, t), fam.rotary_dim, self.max_len, device, dtype)
+        self.ropes = {t: RotaryEmbedding(rope_settings(cfg, t), fam.rotary_dim, self.max_len, device, dtype,
+                                         attention_scaling(rope_settings(cfg, t), cfg.max_position_embeddings))
                       for t in dict.fromkeys(fam.layer_rope)}
         self.rope = self.ropes[fam.layer_rope[0]]
         self.fp16_weights = fp16_weights

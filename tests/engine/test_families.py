@@ -63,3 +63,11 @@ def test_multi_lora_fitting_takes_every_adapter_of_the_family(family):
     """multi_lora.json's shape check reads the module names each family's adapters use (Phi-3's fused ones)."""
     name, model_dir, adapters = family
     assert fitting_adapters(adapters, model_dir) == adapters, name
+
+
+def test_longrope_past_its_pretraining_length_is_refused_naming_the_fix(tmp_path):
+    """transformers moves every position to the long factors once a sequence passes the pretraining length, which
+    a cache of keys rotated earlier cannot follow: refused, not served wrong."""
+    model_dir, _ = build_family(tmp_path, "phi3-longrope", adapters=False)
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings \(256\).*max_model_len <= 256"):
+        LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=512))

@@ -26,6 +26,13 @@ DENSE_FAMILIES: dict[str, dict] = {
     # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary (Phi-4-mini's 0.75 of each head)
     "phi3": dict(model_type="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.75}, pad_token_id=None),
+    # Phi-3.5/4-mini's longrope: per-frequency short factors and the attention factor of a 4x length ratio
+    "phi3-longrope": dict(model_type="phi3", max_position_embeddings=1024, original_max_position_embeddings=256,
+                          pad_token_id=None,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
+                                           "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                                           "original_max_position_embeddings": 256}),
     # sliding windows on every layer (Mistral) and on the layers past max_window_layers (Qwen2)
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
     "qwen2-window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -34,8 +41,9 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_atte
              max_position_embeddings=256)
 
 # The projections a peft adapter names on each family (Phi-3 trains its fused ones as they are)
-ATTENTION = {"phi3": ["qkv_proj", "o_proj"]}
-ALL_LINEAR = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+ATTENTION = {"phi3": ["qkv_proj", "o_proj"], "phi3-longrope": ["qkv_proj", "o_proj"]}
+ALL_LINEAR = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+              "phi3-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 DEFAULT_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DEFAULT_ALL = DEFAULT_ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 
@@ -48,7 +56,7 @@ ADAPTERS = {
 }
 
 
-def build_family(root: Path, name: str) -> tuple[str, dict[str, str]]:
+def build_family(root: Path, name: str, adapters: bool = True) -> tuple[str, dict[str, str]]:
     """The tiny checkpoint of DENSE_FAMILIES[name] with random norm weights (HF inits them to one constant,
     which would hide a misread norm) and its ADAPTERS: (model dir, adapter name -> folder)."""
     import torch
@@ -65,10 +73,10 @@ def build_family(root: Path, name: str) -> tuple[str, dict[str, str]]:
         if "norm" in key:
             tensors[key] = t + 0.3 * torch.randn(t.shape, generator=gen)
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    adapters = {}
-    for i, (adapter, (kind, r, alpha, extra)) in enumerate(ADAPTERS.items()):
+    folders = {}
+    for i, (adapter, (kind, r, alpha, extra)) in enumerate(ADAPTERS.items() if adapters else ()):
         targets = (ATTENTION.get(name, DEFAULT_ATTENTION) if kind == "attention"
                    else ALL_LINEAR.get(name, DEFAULT_ALL))
-        adapters[adapter] = str(build_peft_adapter(model_dir, root / name / adapter, r, alpha, targets, seed=10 + i,
+        folders[adapter] = str(build_peft_adapter(model_dir, root / name / adapter, r, alpha, targets, seed=10 + i,
                                                    b_scale=0.3, **extra))
-    return str(model_dir), adapters
+    return str(model_dir), folders
