@@ -67,3 +67,43 @@ def test_uploaded_dora_adapter_is_served_like_peft(triton_server, demo, dora_fol
     tokens = token_ids_of(result)
     assert tokens == greedy_tokens(str(demo["model"]), str(dora_folder), ids, GREEDY["max_tokens"])
     assert tokens != greedy_tokens(str(demo["model"]), None, ids, GREEDY["max_tokens"])  # the adapter matters
+
+
+def test_uploaded_vocabulary_adapters_are_served_like_peft_in_one_batch(triton_server, demo, tmp_path):
+    """Adapters beyond the projections (decision 067), uploaded and generated from at once: two training the same
+    token ids with different rows, and LoRA on embed_tokens and lm_head saved with peft's default copies of the
+    base weights (checked against the served base, then dropped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(demo["model"]).float()
+    trained = [3 + ord(c) for c in " aeo"]
+    specs = {"tok-a": dict(target_modules=["v_proj"], trainable_token_indices=trained),
+             "tok-b": dict(target_modules=["v_proj"], trainable_token_indices=trained),
+             "vocab-lora": dict(target_modules=["embed_tokens", "lm_head"])}
+    folders = {}
+    for seed, (name, spec) in enumerate(specs.items()):
+        torch.manual_seed(seed)
+        pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **spec))
+        with torch.no_grad():
+            for pname, p in pm.named_parameters():
+                if "trainable_tokens_delta" in pname:
+                    p.add_(p.std() * torch.randn_like(p))
+                elif "lora_embedding_B" in pname:
+                    p.mul_(0.02)
+        folders[name] = tmp_path / name
+        pm.save_pretrained(str(folders[name]))
+        upload_adapter(triton_server.grpc_url, name, folders[name], headers={"x-api-key": KEY})
+    prompt = "a tale of one sea"
+    with ThreadPoolExecutor(len(specs)) as pool:
+        results = dict(zip(specs, pool.map(lambda name: stream_generate(
+            triton_server.grpc_url, prompt, dict(GREEDY, lora_name=name), headers={"x-api-key": KEY},
+            return_logprobs=True), specs)))
+    ids = AutoTokenizer.from_pretrained(demo["model"])(prompt).input_ids
+    for name, result in results.items():
+        assert result.error is None, (name, result.error)
+        want = greedy_tokens(str(demo["model"]), str(folders[name]), ids, GREEDY["max_tokens"])
+        assert token_ids_of(result) == want, name
+    assert token_ids_of(results["tok-a"]) != token_ids_of(results["tok-b"])  # the same ids, each its own rows
