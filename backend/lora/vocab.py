@@ -164,7 +164,8 @@ def parse_vocab(cfg: dict, tensors: dict[str, torch.Tensor], targeted: Callable[
             raise AdapterError(f"{where}: duplicate tensors {found[module][kind][0]} and {tensor_name}")
         found[module][kind] = (tensor_name, t)
     lora_on = {m for m in VOCAB_MODULES if targeted(m)}
-    if cfg.get("ensure_weight_tying") is True and tied and EMBED in lora_on:
+    tied_lora = cfg.get("ensure_weight_tying") is True and tied and EMBED in lora_on
+    if tied_lora:
         lora_on.add(LM_HEAD)  # peft ties the lm_head's LoRA to the embedding's
     tokens = _token_indices(cfg.get("trainable_token_indices"), vocab, tied, where)
     out = VocabAdapter(vocab_size=vocab)
@@ -204,6 +205,10 @@ def parse_vocab(cfg: dict, tensors: dict[str, torch.Tensor], targeted: Callable[
                 raise AdapterError(f"{where}: tensor {have['base'][0]} is a copy of the base {short}, saved only "
                                    f"beside a LoRA on it; {MODULES_TO_SAVE_REASON}")
             out.base_copies[module] = have["base"]
+    if tied_lora and not (torch.equal(out.lm_lora[0], out.embed_lora[1].t())
+                          and torch.equal(out.lm_lora[1], out.embed_lora[0].t())):
+        raise AdapterError(f"{where}: ensure_weight_tying ties lm_head's LoRA to embed_tokens', but its tensors are "
+                           f"not the embedding's transposed (peft would serve whichever it loaded last)")
     if tokens.get(LM_HEAD, 0) is None:
         out.lm_tokens = out.embed_tokens  # tied: the lm_head's rows are the embedding's
     if out.embed_lora is None and out.lm_lora is None and out.embed_tokens is None and out.lm_tokens is None:

@@ -55,7 +55,9 @@ def build_adapter(model_dir: str, out, seed: int, save_embedding_layers="auto", 
     return str(out)
 
 
-def build_adapters(model_dir: str, root) -> dict[str, str]:
+def build_adapters(model_dir: str, root, tied: bool = False) -> dict[str, str]:
+    # tied embeddings: the mixed adapter ties its lm_head LoRA to the embedding's (peft's ensure_weight_tying)
+    mixed = dict(ensure_weight_tying=True) if tied else dict(rank_pattern={"lm_head": 4})
     return {
         "embed": build_adapter(model_dir, root / "embed", 1, target_modules=["embed_tokens", "q_proj"]),
         "lm": build_adapter(model_dir, root / "lm", 2, save_embedding_layers=False, target_modules=["lm_head"],
@@ -63,7 +65,7 @@ def build_adapters(model_dir: str, root) -> dict[str, str]:
         "tok-a": build_adapter(model_dir, root / "tok-a", 3, target_modules=["v_proj"], trainable_token_indices=TRAINED),
         "tok-b": build_adapter(model_dir, root / "tok-b", 4, target_modules=["v_proj"], trainable_token_indices=TRAINED),
         "mixed": build_adapter(model_dir, root / "mixed", 5, target_modules=["embed_tokens", "lm_head", "down_proj"],
-                               rank_pattern={"lm_head": 4}),
+                               **mixed),
     }
 
 
@@ -78,7 +80,7 @@ def built(tmp_path_factory):
         if name not in cache:
             root = tmp_path_factory.mktemp(f"vocab-{name}")
             model_dir = str(build_tiny_llama(root / "model", **MODELS[name]))
-            cache[name] = model_dir, build_adapters(model_dir, root)
+            cache[name] = model_dir, build_adapters(model_dir, root, MODELS[name].get("tie_word_embeddings", False))
         return cache[name]
 
     return get

@@ -109,6 +109,19 @@ def test_lora_pairs_are_read_as_peft_computes_them(make, models):
     assert adapter.vocab.base_copies == {}
 
 
+def test_ensure_weight_tying_ties_the_lm_head_lora_to_the_embeddings(make, models):
+    """With tied embeddings peft gives the lm_head the embedding's pair, transposed (A = B_emb.T, B = A_emb.T)."""
+    folder, pm = make(tied=True, target_modules=["embed_tokens"], ensure_weight_tying=True)
+    vocab = load(folder, models[True][0]).vocab
+    (a_emb, b_emb, scale), (a, b, lm_scale) = vocab.embed_lora, vocab.lm_lora
+    assert torch.equal(a, b_emb.t()) and torch.equal(b, a_emb.t()) and lm_scale == scale
+    assert lm_scale == pm.base_model.model.lm_head.scaling["default"]
+    edit(folder, tensors=lambda t: t[LM_A].mul_(2))
+    with pytest.raises(AdapterError, match="ensure_weight_tying ties lm_head's LoRA to embed_tokens', but its "
+                                           "tensors are not the embedding's transposed"):
+        load(folder, models[True][0])
+
+
 def test_a_base_copy_must_be_the_served_base_up_to_16_bit_rounding(make, models):
     config, model = models[False]
     folder, _ = make(target_modules=["embed_tokens"])
