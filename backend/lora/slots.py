@@ -208,6 +208,10 @@ class LoraSlots:
         self._xranks[:, :, slot].copy_(ranks, non_blocking=True)
         self._xscales[:, :, slot].copy_(scales, non_blocking=True)
 
+    def expert_rank(self, layer: int, module: str) -> int:
+        """The largest rank any slot holds for layer's experts' module (read on the host)."""
+        return max((t.get((layer, module), 0) for t in self.expert_targets), default=0)
+
     def holds_experts(self, layer: int) -> bool:
         """Whether a slot holds LoRA on layer's experts (read on the host)."""
         return bool(self._expert_holders[layer])

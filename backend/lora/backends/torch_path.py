@@ -12,6 +12,9 @@ from loraplex.lora.backends.tiles import SlotTiles
 # A run of at least this many rows on one adapter (a prefill chunk) adds its LoRA by two dense matmuls;
 # shorter runs (decode rows of many adapters) go into slot tiles.
 DENSE_LORA_MIN_ROWS = 8
+# Routed expert rows up to this many gather their (slot, expert) pairs row by row (a decode step's); more go into
+# the kernels' reference tiles of one (slot, expert) each, which read every pair once.
+GATHER_EXPERT_ROWS = 32
 
 
 class TorchPlan(LoraPlan):
@@ -54,6 +57,27 @@ class TorchLoraBackend(LoraBackend):
         if tiles is None:  # the rows left go through the per-row gather (BGMV)
             return TorchPlan(self, runs, token_slots=self.to_tensor(row_slots))
         return TorchPlan(self, runs, tiles)
+
+    def apply_experts(self, plan: LoraPlan, ys, x: torch.Tensor, layer: int, modules: tuple[str, ...],
+                      pair_slots: torch.Tensor) -> None:
+        """Few routed rows: each row's pair gathered at the largest rank resident (two bmms and an index_add_
+        per module); more rows: the per-row gather of LoraBackend (tiles of one slot and expert)."""
+        if x.shape[0] > GATHER_EXPERT_ROWS:
+            super().apply_experts(plan, ys, x, layer, modules, pair_slots)
+            return
+        rows = (pair_slots >= 0).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        pairs, xr = pair_slots.index_select(0, rows).long(), x.index_select(0, rows).unsqueeze(1)  # [n, 1, in]
+        for y, module in zip(ys, modules):
+            rank = self.slots.expert_rank(layer, module)
+            if rank == 0:
+                continue
+            a, b, _ranks, scales = self.slots.expert_stacks[layer][module]
+            a_rows = a[:, :rank].index_select(0, pairs).to(x.dtype)  # [n, rank, in]
+            b_rows = b.transpose(1, 2)[:, :rank].index_select(0, pairs).to(x.dtype)  # [n, rank, out]
+            v = torch.bmm(xr, a_rows.transpose(1, 2)).mul_(scales.index_select(0, pairs).view(-1, 1, 1))
+            y.index_add_(0, rows, torch.bmm(v, b_rows).squeeze(1))
 
     def apply(self, plan: TorchPlan, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         s = self.slots
