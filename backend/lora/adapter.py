@@ -545,12 +545,9 @@ def _targeted_modules(s: _Settings, num_layers: int, where: str, rx: Patterns,
         for entry in s.target_modules:
             if entry in CONFIG_NAMES:
                 continue  # embed_tokens / lm_head: lora/vocab.py's
-            kind = layout.entry_kind(entry) if layout is not None else None
-            if kind == "router":
-                raise AdapterError(f"{where}: target_modules entry {entry!r} is the MoE router "
-                                   f"({layout.parent}.gate): LoRA on the router is not served")
+            kind = layout.entry_kind(entry) if layout is not None else None  # an expert's module, or the router
             if kind is None and not any(full == entry or full.endswith("." + entry) for full in names):
-                experts = f", and the experts' {', '.join(layout.leaves)}" if layout is not None else ""
+                experts = f", the experts' {', '.join(layout.leaves)} and the router gate" if layout is not None else ""
                 raise AdapterError(
                     f"{where}: unknown target module {entry!r} in target_modules; supported modules "
                     f"are {', '.join(modules)}{experts}"

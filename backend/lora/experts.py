@@ -10,6 +10,9 @@ Two layouts reach us (decision 066):
   B [out, r * E] (expert e: columns k * E + e); gate_up_proj's out is [gate; up] (2I), and a wrapper nests
   inside the next one in the order the experts module defines its parameters (gate_up_proj innermost).
 
+The router (``layers.L.mlp.gate``, Mixtral 4.x ``block_sparse_moe.gate``; peft's ``all-linear`` includes it, on
+transformers 5 as ``target_parameters: gate.weight``) is one pair A [r, hidden], B [E, r] in either layout.
+
 Both become, per (layer, expert projection), groups of experts of one rank and scale, A [n, r, in] and B [n, out, r]
 (ExpertLora): the adapted experts only, unpadded, so that an adapter holds what its file holds and no more. A
 gate_up_proj pair maps onto the gate and up projections with one A and B's two halves.
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.exceptions import AdapterError
-from loraplex.lora.moe_layout import EXPERT_MODULES, FUSED_PARAMS, ExpertLayout, expert_layout  # noqa: F401
+from loraplex.lora.moe_layout import EXPERT_MODULES, FUSED_PARAMS, ROUTER, ExpertLayout, expert_layout  # noqa: F401
 
 _PER_EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(lora_\w+?)(?:\.weight)?$")
 _FUSED = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.experts\.((?:base_layer\.)*)(lora_\w+?)(?:\.weight)?$")
-_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.gate\.(?:base_layer\.)*lora_")
+_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(\w+)\.gate\.(lora_\w+?)(?:\.weight)?$")
 
 
 @dataclass(slots=True)
@@ -46,19 +49,14 @@ class ExpertLora:
 
 def take_expert_tensors(tensors: dict[str, torch.Tensor], layout: ExpertLayout, num_layers: int,
                         where: str) -> dict[str, torch.Tensor]:
-    """Remove the expert tensors from ``tensors`` and return them; AdapterError for LoRA on the router and for
-    expert tensor names that fit neither layout."""
+    """Remove the expert and router tensors from ``tensors`` and return them; AdapterError for shared experts."""
     taken = {}
     for name in list(tensors):
         short = name.removeprefix("base_model.model.")
+        if ".shared_expert" in short:
+            raise AdapterError(f"{where}: tensor {name}: LoRA on shared experts is not served")
         router = _ROUTER.match(short)
-        if router is not None and router.group(2) in (layout.parent, "mlp"):
-            raise AdapterError(f"{where}: tensor {name}: LoRA on the MoE router (model.layers.{router.group(1)}."
-                               f"{router.group(2)}.gate) is not served; train the adapter without the router "
-                               f"(target_parameters without gate.weight, target_modules without gate)")
-        if ".experts." in f".{short}" or ".shared_expert" in short:
-            if ".shared_expert" in short:
-                raise AdapterError(f"{where}: tensor {name}: LoRA on shared experts is not served")
+        if ".experts." in f".{short}" or (router is not None and router.group(2) in (layout.parent, "mlp")):
             taken[name] = tensors.pop(name)
     return taken
 
@@ -66,10 +64,20 @@ def take_expert_tensors(tensors: dict[str, torch.Tensor], layout: ExpertLayout, 
 def parse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout, settings, where: str, rx,
                   max_lora_rank: int, dtype) -> dict[tuple[int, str], list[ExpertLora]]:
     """The expert LoRA of an adapter's expert tensors (take_expert_tensors), checked against its config (settings:
-    adapter._Settings) and the layout: (layer, EXPERT_MODULES name) -> its experts, grouped by rank and scale."""
-    per_expert, fused = {}, {}
+    adapter._Settings) and the layout: (layer, EXPERT_MODULES name or ROUTER) -> its experts, grouped by rank and
+    scale (the router: one group of "expert" 0)."""
+    per_expert, fused, router = {}, {}, {}
     for name, t in tensors.items():
         short = name.removeprefix("base_model.model.")
+        m = _ROUTER.match(short)
+        if m is not None:
+            layer, kind = int(m.group(1)), m.group(3)
+            if kind == "lora_magnitude_vector":
+                raise AdapterError(f"{where}: tensor {name}: DoRA (use_dora) on the MoE router is not supported")
+            _check_kind(name, kind, where)
+            _check_layer(name, layer, layout, where)
+            _put(router, layer, kind, name, t, where)
+            continue
         m = _PER_EXPERT.match(short)
         if m is not None:
             layer, parent, expert, leaf, kind = int(m.group(1)), m.group(2), int(m.group(3)), m.group(4), m.group(5)
@@ -97,11 +105,13 @@ def parse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout, settin
     if settings.use_dora and (per_expert or fused):
         raise AdapterError(f"{where}: DoRA (use_dora) on MoE experts is not supported (tensor "
                            f"{_first(per_expert or fused)})")
+    out = {}
     if fused or settings.target_parameters:
-        return _fused_experts(fused, layout, settings, where, rx, max_lora_rank, dtype)
-    if per_expert:
-        return _per_expert(per_expert, layout, settings, where, rx, max_lora_rank, dtype)
-    return {}
+        out = _fused_experts(fused, layout, settings, where, rx, max_lora_rank, dtype)
+    elif per_expert:
+        out = _per_expert(per_expert, layout, settings, where, rx, max_lora_rank, dtype)
+    out.update(_router(router, layout, settings, where, rx, max_lora_rank, dtype))
+    return out
 
 
 def _first(groups: dict) -> str:
@@ -190,7 +200,7 @@ def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lo
     """peft's target_parameters on the fused expert tensors: each wrapper's A [E*r, in] and B [out, r*E]."""
     from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, _checked, _rank_alpha, lora_scale
 
-    params = targeted_params(s.target_parameters or [], layout, where)
+    params, _router_layers = targeted_params(s.target_parameters or [], layout, where)
     for layer, depth in sorted(groups):
         if depth >= len(params.get(layer, ())):
             raise AdapterError(
@@ -223,17 +233,50 @@ def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lo
     return out
 
 
-def targeted_params(entries: list[str], layout: ExpertLayout, where: str) -> dict[int, list[str]]:
+def _router(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+            dtype) -> dict[tuple[int, str], list[ExpertLora]]:
+    """LoRA on the router of each layer: A [r, hidden], B [E, r], whether target_parameters (gate.weight) or
+    target_modules (the router module of transformers 4.x) select it."""
+    from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, _checked, _rank_alpha, lora_scale
+
+    _params, by_params = targeted_params(s.target_parameters or [], layout, where)
+    match = Targets(s, rx)
+    by_modules = {layer for layer in layout.layers if match(f"model.layers.{layer}.{layout.parent}.gate")}
+    for layer in sorted(set(groups) - by_params - by_modules):
+        raise AdapterError(f"{where}: tensor {_first({0: groups[layer]})} is for the router of layer {layer}, which "
+                           f"{CONFIG_FILE} does not target (target_parameters gate.weight / target_modules gate)")
+    required = by_params | (by_modules if groups else set())  # target_modules' names may be transformers 5's
+    for layer in sorted(required - set(groups)):
+        raise AdapterError(f"{where}: {CONFIG_FILE} targets the router of layer {layer} but {WEIGHTS_FILE} has no "
+                           f"lora_A / lora_B tensors for it")
+    if groups and s.use_dora:
+        raise AdapterError(f"{where}: DoRA (use_dora) on the MoE router is not supported (tensor {_first(groups)})")
+    out = {}
+    for layer, found in sorted(groups.items()):
+        key = (f"model.layers.{layer}.mlp.gate.weight" if layer in by_params
+               else f"model.layers.{layer}.{layout.parent}.gate")
+        r, alpha = _rank_alpha(s, key, rx)
+        if r > max_lora_rank:
+            raise AdapterError(f"{where}: {key} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+        (a_name, a), (b_name, b) = _pair(found, key, where)
+        a = _checked(a_name, a, (r, layout.hidden), dtype, where)
+        b = _checked(b_name, b, (layout.num_experts, r), dtype, where)
+        out[(layer, ROUTER)] = [ExpertLora((0,), a[None], b[None], lora_scale(alpha, r, s.use_rslora))]
+    return out
+
+
+def targeted_params(entries: list[str], layout: ExpertLayout, where: str) -> tuple[dict[int, list[str]], set[int]]:
     """The fused expert tensors target_parameters select, per layer in the order the module defines them (peft
-    matches an entry that equals a parameter's name or ends it after a dot, in every layer); AdapterError for an
-    entry that selects the router or nothing served."""
+    matches an entry that equals a parameter's name or ends it after a dot, in every layer), and the layers whose
+    router (mlp.gate.weight) they select; AdapterError for an entry that selects nothing served."""
     selected: dict[int, list[str]] = {}
+    routers: set[int] = set()
     for entry in entries:
         hits = 0
         for layer in layout.layers:
             if _suffix_of(entry, f"model.layers.{layer}.mlp.gate.weight"):
-                raise AdapterError(f"{where}: target_parameters entry {entry!r} selects the MoE router "
-                                   f"(model.layers.{layer}.mlp.gate.weight): LoRA on the router is not served")
+                routers.add(layer)
+                hits += 1
             for param in FUSED_PARAMS:
                 if _suffix_of(entry, layout.param_key(layer, param)):
                     hits += 1
@@ -242,9 +285,9 @@ def targeted_params(entries: list[str], layout: ExpertLayout, where: str) -> dic
                         selected[layer].append(param)
         if not hits:
             raise AdapterError(f"{where}: target_parameters entry {entry!r} selects none of the experts' "
-                               f"gate_up_proj and down_proj (mlp.experts.gate_up_proj / mlp.experts.down_proj), "
-                               f"the only parameters LoRA is served on")
-    return {layer: sorted(params, key=FUSED_PARAMS.index) for layer, params in sorted(selected.items())}
+                               f"gate_up_proj and down_proj (mlp.experts.gate_up_proj / mlp.experts.down_proj) nor "
+                               f"the router's weight (mlp.gate.weight), the only parameters LoRA is served on")
+    return {layer: sorted(params, key=FUSED_PARAMS.index) for layer, params in sorted(selected.items())}, routers
 
 
 def _suffix_of(entry: str, key: str) -> bool:

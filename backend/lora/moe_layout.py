@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")  # one expert's projections, as the slots key them
 FUSED_PARAMS = ("gate_up_proj", "down_proj")  # transformers 5's expert tensors, in the order the module defines them
+ROUTER = "router"  # the router's LoRA in the slots' expert stacks: one pair of [E, hidden] per layer
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,15 @@ class ExpertLayout:
         return f"model.layers.{layer}.mlp.experts.{param}"
 
     def max_tensors(self) -> int:
-        """Most expert tensors an adapter holds: lora_A and lora_B of each expert projection of each expert."""
-        return 2 * len(self.layers) * self.num_experts * len(EXPERT_MODULES)
+        """Most expert tensors an adapter holds: lora_A and lora_B of each expert projection of each expert and of
+        each router."""
+        return 2 * len(self.layers) * (self.num_experts * len(EXPERT_MODULES) + 1)
 
     def elements_per_rank(self) -> int:
         """A and B elements per unit of rank over every expert projection (per-expert layout; the fused one holds
-        fewer: one A for gate and up)."""
-        return len(self.layers) * self.num_experts * sum(i + o for i, o in self.shapes().values())
+        fewer: one A for gate and up) and router."""
+        return len(self.layers) * (self.num_experts * sum(i + o for i, o in self.shapes().values())
+                                   + self.hidden + self.num_experts)
 
     def entry_kind(self, entry: str) -> str | None:
         """'expert' or 'router' when a target_modules entry names (a dotted suffix of) a per-expert module or the

@@ -13,7 +13,9 @@ MoE experts (decision 066), for the layers with a sparse block (which hold no de
   xa[layer][module]     [max_loras, num_experts, max_rank, in]   module: an expert's gate/up/down_proj
   xb[layer][module]     [max_loras, num_experts, out, max_rank]  (on the CPU a view, as b)
   xranks / xscales[layer][module]  [max_loras * num_experts]: slot s, expert e at s * num_experts + e
-so that a routed (token, expert) row is one row of a per-row gather over max_loras * num_experts stacks.
+so that a routed (token, expert) row is one row of a per-row gather over max_loras * num_experts stacks; and the
+router's LoRA, xa[layer]["router"] [max_loras, 1, max_rank, hidden], xb [max_loras, 1, num_experts, max_rank], a
+token's row at its slot.
 
 Stacks exist for all seven projections whether or not any adapter targets them, so the
 model never branches on shape. Memory: num_layers * max_loras * max_rank *
@@ -28,7 +30,7 @@ import torch
 
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.vocab import VocabSlots
-from loraplex.lora.moe_layout import EXPERT_MODULES, ExpertLayout
+from loraplex.lora.moe_layout import EXPERT_MODULES, ROUTER, ExpertLayout
 from loraplex.lora.shapes import MODULES, PARENTS
 
 
@@ -96,6 +98,9 @@ class LoraSlots:
                                    device=self.device)
         self._xscales = torch.zeros(self.num_layers, len(EXPERT_MODULES), self.max_loras, n, dtype=torch.float32,
                                     device=self.device)
+        routers = self.num_layers if experts is not None else 0
+        self._rranks = torch.zeros(routers, self.max_loras, dtype=torch.int32, device=self.device)
+        self._rscales = torch.zeros(routers, self.max_loras, dtype=torch.float32, device=self.device)
         self.expert_targets: list[dict[tuple[int, str], int]] = [{} for _ in range(self.max_loras)]  # -> rank written
         self._expert_holders: list[set[int]] = [set() for _ in range(self.num_layers)]  # slots with layer's experts
         # per (layer, module): (A [S*E, R, in], B [S*E, out, R], ranks [S*E], scales [S*E]), the per-row gather's
@@ -109,6 +114,11 @@ class LoraSlots:
                 self.xa[layer][m], self.xb[layer][m] = a, b
                 self.expert_stacks[layer][m] = (a.flatten(0, 1), b.flatten(0, 1), self._xranks[layer, i].view(-1),
                                                 self._xscales[layer, i].view(-1))
+            a = torch.zeros(self.max_loras, 1, self.max_rank, experts.hidden, dtype=self.dtype, device=self.device)
+            b = self._b_stack(n, 1)
+            self.xa[layer][ROUTER], self.xb[layer][ROUTER] = a, b
+            self.expert_stacks[layer][ROUTER] = (a.flatten(0, 1), b.flatten(0, 1), self._rranks[layer],
+                                                 self._rscales[layer])
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write an adapter into a slot, replacing (and zeroing) whatever the slot held.
@@ -194,19 +204,26 @@ class LoraSlots:
         """The adapter's expert pairs (on the device) into the slot's expert stacks, with their ranks and scales."""
         ranks = torch.zeros(self.num_layers, len(EXPERT_MODULES), self._xranks.shape[3], dtype=torch.int32)
         scales = torch.zeros(ranks.shape, dtype=torch.float32)
+        router_ranks = torch.zeros(self.num_layers, dtype=torch.int32)
+        router_scales = torch.zeros(self.num_layers, dtype=torch.float32)
         groups = [(key, g) for key, gs in adapter.experts.items() for g in gs]
         for ((layer, module), g), (a, b) in zip(groups, pairs):
-            r, i = g.rank, EXPERT_MODULES.index(module)
+            r = g.rank
             # recorded before the copy: clear() zeroes what was written
             self.expert_targets[slot][(layer, module)] = max(r, self.expert_targets[slot].get((layer, module), 0))
             self._expert_holders[layer].add(slot)
             rows = torch.tensor(g.experts, dtype=torch.long, device=self.device)
             self.xa[layer][module][slot, :, :r].index_copy_(0, rows, a)
             self.xb[layer][module][slot, :, :, :r].index_copy_(0, rows, b)
-            ranks[layer, i, list(g.experts)] = r
-            scales[layer, i, list(g.experts)] = g.scale
+            if module == ROUTER:
+                router_ranks[layer], router_scales[layer] = r, g.scale
+            else:
+                ranks[layer, EXPERT_MODULES.index(module), list(g.experts)] = r
+                scales[layer, EXPERT_MODULES.index(module), list(g.experts)] = g.scale
         self._xranks[:, :, slot].copy_(ranks, non_blocking=True)
         self._xscales[:, :, slot].copy_(scales, non_blocking=True)
+        self._rranks[:, slot].copy_(router_ranks, non_blocking=True)
+        self._rscales[:, slot].copy_(router_scales, non_blocking=True)
 
     def expert_rank(self, layer: int, module: str) -> int:
         """The largest rank any slot holds for layer's experts' module (read on the host)."""
@@ -246,6 +263,8 @@ class LoraSlots:
         if self.expert_targets[slot]:
             self._xranks[:, :, slot] = 0
             self._xscales[:, :, slot] = 0.0
+            self._rranks[:, slot] = 0
+            self._rscales[:, slot] = 0.0
         self.expert_targets[slot] = {}
         if slot in self.dora_slots:
             for layer in self.out_scales:
@@ -261,7 +280,9 @@ class LoraSlots:
         weights = sum(t.nbytes for table in (self.a, self.b, self.xa, self.xb) for layer in table for t in layer.values())
         dora = sum(t.nbytes for layer in self.out_scales or () for t in layer.values())
         weights += self.vocab.memory_bytes()
-        return weights + self._ranks.nbytes + self._scales.nbytes + self._xranks.nbytes + self._xscales.nbytes + dora
+        ranks = sum(t.nbytes for t in (self._ranks, self._scales, self._xranks, self._xscales, self._rranks,
+                                       self._rscales))
+        return weights + ranks + dora
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:

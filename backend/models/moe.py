@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.moe_layout import ExpertLayout, expert_layout
+from loraplex.lora.moe_layout import ROUTER, ExpertLayout, expert_layout
 
 
 class MoeBlock:
@@ -25,9 +25,12 @@ class MoeBlock:
         self.weights_in_model_dtype = layout.family == "qwen3_moe"  # Qwen3MoeTopKRouter casts them back
         self.router, self.gate_up, self.down = router, gate_up, down
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], experts int64 [T, k]) of each token, as transformers' top-k router computes them."""
+    def route(self, x: torch.Tensor, lora=None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], experts int64 [T, k]) of each token, as transformers' top-k router computes them; lora
+        adds each token's adapter's router delta to the logits."""
         logits = F.linear(x, self.router)
+        if lora is not None and lora.backend.slots.expert_rank(layer, ROUTER):
+            lora.apply_experts((logits,), x, layer, (ROUTER,), lora.row_slots())
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -39,7 +42,7 @@ class MoeBlock:
     def __call__(self, x: torch.Tensor, lora, layer: int) -> torch.Tensor:
         """The block's output [T, H] for x [T, H]; lora (a LoraPlan or None) adds each routed row's expert deltas
         from its token's adapter."""
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, lora, layer)
         flat = experts.view(-1)
         order = torch.argsort(flat, stable=True)  # the (token, expert) rows grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -56,13 +56,16 @@ def moe(request, tmp_path_factory) -> Moe:
         "attn": build_adapter(model_dir, root / "attn", 8, 16, 11, ATTENTION),
         # target_modules on the experts: peft (transformers 5) saves target_parameters, gate_up_proj at rank 2r
         "experts": build_adapter(model_dir, root / "experts", 4, 8, 12, ["q_proj", *experts]),
+        # all-linear: attention, experts and the router (target_parameters gate.weight)
+        "all-linear": build_adapter(model_dir, root / "all", 4, 4, 16, "all-linear"),
         "down-rslora": build_adapter(model_dir, root / "down", 8, 8, 13, [], use_rslora=True,
                                      target_parameters=["mlp.experts.down_proj"]),
         "per-expert": per_expert_adapter(model_dir, root / "per-expert", 4, 8, 14),
         "some-experts": per_expert_adapter(model_dir, root / "some", 4, 8, 15, experts=(1, 3),
                                            rank_pattern={f"experts.3.{m}": 2 for m in experts}),
     }
-    oracles = {None: (model_dir, None), **{a: (model_dir, adapters[a]) for a in ("attn", "experts", "down-rslora")}}
+    oracles = {None: (model_dir, None),
+               **{a: (model_dir, adapters[a]) for a in ("attn", "experts", "all-linear", "down-rslora")}}
     for a in ("per-expert", "some-experts"):
         oracles[a] = (merged_model(model_dir, adapters[a], root / f"merged-{a}"), None)
     return Moe(name, model_dir, fuse_experts(model_dir, root / "fused"), adapters, oracles)
@@ -88,15 +91,16 @@ def test_block_equals_transformers_moe_block(moe, layout):
 @pytest.mark.parametrize("backend", [TorchLoraBackend, KernelLoraBackend, NativeLoraBackend])
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_block_rows_of_mixed_adapters_equal_peft(moe, backend, step):
-    """Rows of the base model, of target_parameters LoRA and of per-expert LoRA in one call: each row's output is
-    its oracle's block output, whichever backend plans the rows and whether they come as a prefill or decode step."""
+    """Rows of the base model, of all-linear LoRA (target_parameters on the experts and the router) and of
+    per-expert LoRA (with the router's) in one call: each row's output is its oracle's block output, whichever
+    backend plans the rows and whether they come as a prefill or decode step."""
     config = load_hf_config(moe.model_dir)
     layout = expert_layout(config)
     slots = LoraSlots(config.num_hidden_layers, module_shapes(config), 2, 16, torch.float32, "cpu", experts=layout)
-    for slot, name in enumerate(("experts", "per-expert")):
+    for slot, name in enumerate(("all-linear", "per-expert")):
         slots.load(slot, load_peft_adapter(moe.adapters[name], name, config, 16))
     lora = backend(slots, torch.from_numpy)
-    rows = np.array([-1, 0, 1], dtype=np.int32)  # 3 rows each of base, "experts", "per-expert"
+    rows = np.array([-1, 0, 1], dtype=np.int32)  # 3 rows each of base, "all-linear", "per-expert"
     if step == "prefill":
         plan = lora.plan(rows, np.array([0, 3, 6, 9]), is_decode=False)
     else:
@@ -105,9 +109,9 @@ def test_block_rows_of_mixed_adapters_equal_peft(moe, backend, step):
     x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(1))
     for layer in layout.layers:
         got = take_moe(weights, layer, config, torch.float32, "cpu")(x, plan, layer)
-        for i, name in enumerate((None, "experts", "per-expert")):
+        for i, name in enumerate((None, "all-linear", "per-expert")):
             model = reference_model(*moe.oracles[name])
-            model = model.base_model.model if name == "experts" else model
+            model = model.base_model.model if name == "all-linear" else model
             with torch.no_grad():
                 want = model.model.layers[layer].mlp(x[None, 3 * i:3 * i + 3])[0]
             torch.testing.assert_close(got[3 * i:3 * i + 3], want, atol=BLOCK_ATOL, rtol=0,
@@ -116,9 +120,10 @@ def test_block_rows_of_mixed_adapters_equal_peft(moe, backend, step):
 
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_engine_batch_of_base_and_expert_adapters_equals_peft(moe, layout):
-    """Base rows and five adapters (attention; experts by target_modules, target_parameters with rsLoRA, every expert's
-    modules, two experts' at two ranks) in one continuous batch, three slots for five adapters so that expert stacks
-    are loaded, evicted and reused: greedy tokens equal, each chosen token's logprob within LOGPROB_ATOL."""
+    """Base rows and six adapters (attention; experts by target_modules; all-linear with the router;
+    target_parameters with rsLoRA; every expert's modules and the router's, as transformers 4.x saves them; two
+    experts' at two ranks) in one continuous batch, three slots for six adapters so that expert stacks are loaded,
+    evicted and reused: greedy tokens equal, each chosen token's logprob within LOGPROB_ATOL."""
     model_dir = moe.model_dir if layout == "per-expert" else moe.fused_dir
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=128,
                                     num_kv_blocks=96, block_size=4, max_loras=3, max_cpu_loras=2, max_lora_rank=16,

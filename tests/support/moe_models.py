@@ -75,18 +75,29 @@ def fuse_experts(model_dir: str, out_dir: Path) -> str:
 
 def build_adapter(model_dir: str, out_dir: Path, r: int, alpha: float, seed: int, target_modules=(),
                   **lora_kwargs) -> str:
-    """A peft adapter saved by peft itself (target_modules and/or target_parameters in lora_kwargs)."""
-    from loraplex.models.builtin.demo import build_peft_adapter
+    """A peft adapter saved by peft itself (target_modules, a list or "all-linear", and/or target_parameters in
+    lora_kwargs), with random A and B (B times 0.3)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-    return str(build_peft_adapter(model_dir, out_dir, r, alpha, list(target_modules), seed, b_scale=0.3,
-                                  **lora_kwargs))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                  init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)
+    peft_model.save_pretrained(out_dir)
+    return str(out_dir)
 
 
 def per_expert_adapter(model_dir: str, out_dir: Path, r: int, alpha: float, seed: int,
                        experts: tuple[int, ...] | None = None, rank_pattern: dict | None = None) -> str:
     """An adapter on each expert's modules as transformers 4.x's peft saves them (Mixtral's w1/w3/w2 under
     block_sparse_moe, Qwen3-MoE's gate_proj/up_proj/down_proj under mlp), with q_proj and v_proj; experts: the
-    experts it adapts (None: all, a target_modules list; else a regex naming them)."""
+    experts it adapts (None: all and the router, a target_modules list; else a regex naming them)."""
     from safetensors.torch import save_file
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -103,6 +114,8 @@ def per_expert_adapter(model_dir: str, out_dir: Path, r: int, alpha: float, seed
     for layer in range(config["num_hidden_layers"]):
         for m, (fin, fout) in {"q_proj": (h, heads * d), "v_proj": (h, kv * d)}.items():
             _pair(tensors, f"model.layers.{layer}.self_attn.{m}", r, fin, fout, gen)
+        if experts is None and layer not in dense:  # the router (Linear in transformers 4.x)
+            _pair(tensors, f"model.layers.{layer}.{parent}.gate", r, h, n, gen)
         if layer in dense:  # its dense MLP: transformers 4.x's peft targets it by the same names
             if experts is None:
                 for m, (fin, fout) in {"gate_proj": (h, config["intermediate_size"]),
@@ -119,7 +132,7 @@ def per_expert_adapter(model_dir: str, out_dir: Path, r: int, alpha: float, seed
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     if experts is None:
-        targets = ["q_proj", "v_proj", *EXPERT_NAMES[family]]
+        targets = ["q_proj", "v_proj", "gate", *EXPERT_NAMES[family]]
     else:
         targets = (rf".*\.(q_proj|v_proj)|.*\.experts\.({'|'.join(map(str, experts))})\."
                    rf"({'|'.join(EXPERT_NAMES[family])})")

@@ -145,19 +145,40 @@ def _fused(layer, depth, a_shape, b_shape):
     return {f"{p}lora_A.weight": torch.randn(a_shape), f"{p}lora_B.weight": torch.randn(b_shape)}
 
 
+def _router(layer, parent="block_sparse_moe", r=4):
+    return {f"{P}.{layer}.{parent}.gate.lora_A.weight": torch.randn(r, H),
+            f"{P}.{layer}.{parent}.gate.lora_B.weight": torch.randn(E, r)}
+
+
+def test_router_lora_in_both_layouts(tmp_path):
+    """peft's all-linear on transformers 5 adapts the router by target_parameters gate.weight: its delta is the
+    ParamWrapper's; transformers 4.x's router module (Mixtral's block_sparse_moe.gate) reads the same way."""
+    cfg = mixtral()
+    peft_model, adapter = _peft_adapter(tmp_path, cfg, r=4, lora_alpha=8, target_modules="all-linear")
+    for layer in (0, 1):
+        (group,) = adapter.experts[(layer, "router")]
+        want = peft_model.base_model.model.model.layers[layer].mlp.gate.get_delta_weight("default")
+        torch.testing.assert_close(group.scale * group.b[0] @ group.a[0], want, rtol=1e-5, atol=1e-6)
+    assert {m for _, m in adapter.experts} == {"gate_proj", "up_proj", "down_proj", "router"}
+    old = parse({"target_modules": ["gate", "w1", "w2", "w3"], "rank_pattern": {"gate": 2}},
+                {**per_expert_tensors(cfg), **_router(0, r=2), **_router(1, r=2)}, cfg)
+    assert [(g.experts, g.rank, g.scale) for g in old.experts[(1, "router")]] == [((0,), 2, 4.0)]
+
+
 REFUSALS = {
-    "router by target_parameters": (mixtral, {"target_parameters": ["gate_up_proj", "gate.weight"], "target_modules": []},
-                                    lambda c: _fused(0, 0, (16, H), (2 * I_MIX, 16)), "router"),
-    "router tensors": (mixtral, {"target_modules": ["q_proj"]},
-                       lambda c: {f"{P}.0.block_sparse_moe.gate.lora_A.weight": torch.randn(4, H),
-                                  f"{P}.0.block_sparse_moe.gate.lora_B.weight": torch.randn(E, 4)}, "router"),
-    "router by target_modules": (mixtral, {"target_modules": ["gate", "w1"]}, per_expert_tensors, "router"),
+    "router tensors the config does not target": (mixtral, {"target_modules": ["w1", "w2", "w3"]},
+                                                   lambda c: {**per_expert_tensors(c), **_router(0), **_router(1)},
+                                                   "does not target"),
+    "a targeted router without tensors": (mixtral, {"target_parameters": ["gate.weight"]}, lambda c: _router(0),
+                                          "router of layer 1 but"),
+    "DoRA on the router": (qwen, {"target_modules": ["gate"], "use_dora": True},
+                           lambda c: {**_router(0, "mlp"), **_router(2, "mlp")}, "DoRA"),
     "DoRA on experts": (mixtral, {"target_modules": ["w1", "w2", "w3"], "use_dora": True}, per_expert_tensors, "DoRA"),
     "target_parameters on a dense model": (lambda: LlamaConfig(hidden_size=H, num_hidden_layers=2,
                                                                num_attention_heads=4, intermediate_size=48),
                                            {"target_parameters": ["mlp.experts.down_proj"]}, lambda c: {}, "MoE"),
     "target_parameters beyond the experts": (qwen, {"target_parameters": ["q_proj.weight"]}, lambda c: {},
-                                             "selects none of the experts"),
+                                             "selects none of the experts' gate_up_proj and down_proj"),
     "an expert the model lacks": (mixtral, {"target_modules": ["w1", "w2", "w3"]},
                                   lambda c: per_expert_tensors(c, experts=(E,)), f"expert {E}"),
     "experts of a dense layer": (qwen, {"target_modules": r".*\.experts\.\d+\.\w+"},
@@ -191,7 +212,7 @@ def test_what_is_not_served_is_refused_by_name(case):
 def test_tensor_bound_counts_every_expert():
     cfg = qwen()
     dense = 2 * 3 * len(MODULES)
-    assert max_adapter_tensors(cfg) - max_adapter_tensors(qwen(num_experts=0)) == 2 * 2 * E * 3  # 2 MoE layers
+    assert max_adapter_tensors(cfg) - max_adapter_tensors(qwen(num_experts=0)) == 2 * 2 * (E * 3 + 1)  # 2 MoE layers
     assert max_adapter_tensors(cfg) > dense
     header = {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
               for i in range(max_adapter_tensors(cfg) + 1)}
@@ -210,8 +231,8 @@ def test_slots_hold_expert_stacks_that_load_clear_and_reuse():
     assert slots.xa[1] == {}
     attention = sum((i + o) for m, (i, o) in module_shapes(cfg).items() if m not in ("gate_proj", "up_proj", "down_proj"))
     mlp = sum(i + o for m, (i, o) in module_shapes(cfg).items() if m in ("gate_proj", "up_proj", "down_proj"))
-    weights = 2 * 8 * 4 * (3 * attention + mlp + 2 * E * (2 * (H + I_QWEN) + (I_QWEN + H)))
-    assert slots.memory_bytes() == weights + 2 * (3 * 7 * 2 * 4) + 2 * (3 * 3 * 2 * E * 4)
+    weights = 2 * 8 * 4 * (3 * attention + mlp + 2 * (E * (2 * (H + I_QWEN) + (I_QWEN + H)) + H + E))
+    assert slots.memory_bytes() == weights + 2 * (3 * 7 * 2 * 4) + 2 * (3 * 3 * 2 * E * 4) + 2 * (3 * 2 * 4)
 
     some = parse({"target_modules": r".*\.experts\.(1|3)\.(gate_proj|up_proj|down_proj)"},
                  per_expert_tensors(cfg, experts=(1, 3), seed=1), cfg)
