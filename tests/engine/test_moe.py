@@ -54,6 +54,7 @@ def moe(request, tmp_path_factory) -> Moe:
     experts = list(EXPERT_NAMES[MOE_FAMILIES[name]["model_type"]])
     adapters = {
         "attn": build_adapter(model_dir, root / "attn", 8, 16, 11, ATTENTION),
+        "dora-attn": build_adapter(model_dir, root / "dora", 4, 8, 17, ATTENTION, use_dora=True),
         # target_modules on the experts: peft (transformers 5) saves target_parameters, gate_up_proj at rank 2r
         "experts": build_adapter(model_dir, root / "experts", 4, 8, 12, ["q_proj", *experts]),
         # all-linear: attention, experts and the router (target_parameters gate.weight)
@@ -65,7 +66,7 @@ def moe(request, tmp_path_factory) -> Moe:
                                            rank_pattern={f"experts.3.{m}": 2 for m in experts}),
     }
     oracles = {None: (model_dir, None),
-               **{a: (model_dir, adapters[a]) for a in ("attn", "experts", "all-linear", "down-rslora")}}
+               **{a: (model_dir, adapters[a]) for a in ("attn", "dora-attn", "experts", "all-linear", "down-rslora")}}
     for a in ("per-expert", "some-experts"):
         oracles[a] = (merged_model(model_dir, adapters[a], root / f"merged-{a}"), None)
     return Moe(name, model_dir, fuse_experts(model_dir, root / "fused"), adapters, oracles)
@@ -120,10 +121,10 @@ def test_block_rows_of_mixed_adapters_equal_peft(moe, backend, step):
 
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_engine_batch_of_base_and_expert_adapters_equals_peft(moe, layout):
-    """Base rows and six adapters (attention; experts by target_modules; all-linear with the router;
-    target_parameters with rsLoRA; every expert's modules and the router's, as transformers 4.x saves them; two
-    experts' at two ranks) in one continuous batch, three slots for six adapters so that expert stacks are loaded,
-    evicted and reused: greedy tokens equal, each chosen token's logprob within LOGPROB_ATOL."""
+    """Base rows and seven adapters (attention, with DoRA too; experts by target_modules; all-linear with the
+    router; target_parameters with rsLoRA; every expert's modules and the router's, as transformers 4.x saves them;
+    two experts' at two ranks) in one continuous batch, three slots for seven adapters so that expert stacks are
+    loaded, evicted and reused: greedy tokens equal, each chosen token's logprob within LOGPROB_ATOL."""
     model_dir = moe.model_dir if layout == "per-expert" else moe.fused_dir
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=128,
                                     num_kv_blocks=96, block_size=4, max_loras=3, max_cpu_loras=2, max_lora_rank=16,
