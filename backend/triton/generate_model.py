@@ -61,6 +61,7 @@ class TritonPythonModel:
         self.responder.start()
         self.engine.start()
         self._finalizing = threading.Event()
+        self._served = threading.Event()  # set by the first execute(): from then on Triton serves, so it is ready
         self._unload_watch = threading.Thread(target=self._watch_unloading, name="loraplex-unload-watch",
                                               args=(args["model_name"], args["model_version"]), daemon=True)
         self._unload_watch.start()
@@ -74,12 +75,15 @@ class TritonPythonModel:
         was_ready = False
         stop_file = os.environ.get(STOP_FILE_ENV)  # set by a launcher (loraplex-serve, the test fixtures)
         asked = 0.0  # when Triton was last asked
-        while not self._finalizing.wait(STOP_FILE_POLL_SECONDS if was_ready else 0.05):  # ready within ms of start
+        while not self._finalizing.wait(0.05 if self._served.is_set() and not was_ready else STOP_FILE_POLL_SECONDS):
             if stop_file and os.path.exists(stop_file):
                 log.info("the server is being stopped (%s): ending the requests model %s holds", stop_file, name)
                 break
             self.tenants.refresh()  # a broken or vanished tenants file is reported even without traffic
-            if was_ready and time.monotonic() - asked < UNLOAD_POLL_SECONDS:
+            # Triton is asked only once the model has served: before, no stream is open (an unload calls finalize()),
+            # and while the server still loads other models it answers "Server not ready", a call the Python
+            # backend's stub can die of (its shared-memory allocator faults)
+            if not self._served.is_set() or was_ready and time.monotonic() - asked < UNLOAD_POLL_SECONDS:
                 continue
             asked = time.monotonic()
             try:
@@ -108,6 +112,7 @@ class TritonPythonModel:
             self.metrics.wake()
 
     def execute(self, requests):
+        self._served.set()
         for request in requests:
             sender = request.get_response_sender()
             label = OTHER_TENANTS  # no tenant yet: refused before its key was checked
