@@ -127,7 +127,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.lora_slots, self.num_host_blocks,
                                   self.eos_token_ids)
         self.runner.grammar_budget = GrammarBudget(config.grammar_token_budget_ms, config.grammar_mean_budget_ms)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # a MoE block reads its experts' row counts on the host (models/moe.py): no graph can capture it
+        if self.device.type == "cuda" and not config.enforce_eager and not self.model.family.moe:
             with torch.inference_mode():
                 self.runner.graphs = build_decode_graphs(self.model, kv_cache, config.max_num_seqs, max_len,
                                                          config.block_size, self.runner.lora)
