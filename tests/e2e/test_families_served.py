@@ -1,0 +1,189 @@
+"""The new families through a real tritonserver, exact against transformers + peft, and through the OpenAI gateway
+(issue 40).
+
+One server for the module hosts one copy of lora_llm per family: each copy's config.pbtxt names its family's tiny
+checkpoint (tests/support/families.py) as ``model_dir`` and serves the family's adapters through multi_lora.json in
+its version folder, beside an entry that is another family's and does not fit. LORAPLEX_MODEL_DIR is set empty, so
+no copy is overridden by the environment. The Phi-3 copy is the one named ``lora_llm``, with ``lora_adapters`` on
+the same checkpoint, so the gateway (``loraplex-openai --model-dir`` on that checkpoint) fronts it.
+
+Each streamed greedy request (base rows and every adapter kind, sent together so they share batches) equals
+transformers + peft token for token, with one final response, and each token's logprob equals the teacher-forced
+log-softmax. A prompt of 3x the sliding window makes the windowed layers attend to part of it only. /v1/models lists
+the Phi-3 adapters multi_lora.json gives (not the one that does not fit), and a completion on one equals peft.
+
+Triton runs with --disable-auto-complete-config: otherwise it starts one more Python stub per model only to ask for
+a config the files already give in full.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from families import ADAPTERS, WINDOW, build_family
+from helpers import run_gateway
+from tritonserver_fixture import DEFAULT_MODEL_REPOSITORY, demo_server
+
+from loraplex.clients.generate import stream_generate
+
+# Soft-capping, sandwich norms, GeGLU (gemma2); q/k norms, local/global windows and rotary bases (gemma3); fused
+# projections and partial rotary (phi3); q/k norms, head_dim decoupled from hidden / heads, tied embeddings (qwen3)
+FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3")
+GATEWAY_FAMILY = "phi3"  # served as lora_llm, behind the gateway
+SERVED_NAME = "phi3-tiny"  # the gateway's id of its base model
+MISFIT = "misfit"  # in each copy's multi_lora.json: an adapter of another family, on modules this one lacks
+PROMPTS = ("The quick brown fox jumps over", "ab" * (3 * WINDOW // 2))
+MAX_TOKENS = 10
+LOGPROB_ATOL = 2e-4  # fp32 throughout, as tests/engine/test_families.py
+HEADERS = {"x-tenant-id": "acme"}
+MODEL_DIR_PARAMETER = re.compile(r'(key: "model_dir"\s*value: \{ string_value: )"[^"]*"')
+
+
+def model_name(family: str) -> str:
+    """The Triton model serving ``family``."""
+    return "lora_llm" if family == GATEWAY_FAMILY else f"lora_llm_{family}"
+
+
+def copy_model(repo: Path, src: str, name: str, model_dir: str) -> Path:
+    """model_repository/<src> copied as ``name``, its model_dir parameter set to ``model_dir``."""
+    target = repo / name
+    (target / "1").mkdir(parents=True)
+    (target / "1" / "model.py").write_text((DEFAULT_MODEL_REPOSITORY / src / "1" / "model.py").read_text())
+    config = (DEFAULT_MODEL_REPOSITORY / src / "config.pbtxt").read_text()
+    config, named = re.subn(rf'^name: "{src}"$', f'name: "{name}"', config, flags=re.M)
+    config, dirs = MODEL_DIR_PARAMETER.subn(rf'\1"{model_dir}"', config)
+    assert named == dirs == 1, f"model_repository/{src}/config.pbtxt changed shape"
+    (target / "config.pbtxt").write_text(config)
+    return target
+
+
+def family_repository(repo: Path, families: dict[str, tuple[str, dict[str, str]]]) -> Path:
+    """A lora_llm copy per family on its checkpoint, its adapters and a misfit in multi_lora.json; lora_adapters
+    on the gateway family's checkpoint."""
+    repo.mkdir(parents=True, exist_ok=True)
+    for name, (model_dir, adapters) in families.items():
+        target = copy_model(repo, "lora_llm", model_name(name), model_dir)
+        # Phi-3's fused projections are no other family's: its adapters fit no other family, and theirs not Phi-3
+        other = next(o for o in families if (o == "phi3") != (name == "phi3"))
+        (target / "1" / "multi_lora.json").write_text(json.dumps({**adapters, MISFIT: families[other][1]["all"]}))
+    copy_model(repo, "lora_adapters", "lora_adapters", families[GATEWAY_FAMILY][0])
+    return repo
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, tuple[str, dict[str, str]]]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family(root, name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def triton_server(families, demo, tmp_path_factory):
+    server = demo_server(tmp_path_factory.mktemp("tritonserver-families"), demo,
+                         model_repository=lambda repo: family_repository(repo, families),
+                         adapter_store=lambda store, _demo: store, env={"LORAPLEX_MODEL_DIR": ""},
+                         engine_config={"block_size": 4, "num_kv_blocks": 128, "max_loras": len(ADAPTERS),
+                                        "max_lora_rank": 16},
+                         extra_args=["--disable-auto-complete-config"], ready_timeout=180.0)
+    t0 = time.monotonic()
+    try:
+        server.start_and_wait()
+    except Exception as exc:  # noqa: BLE001 - TritonServerError: the log's tail says why
+        pytest.fail(f"tritonserver did not start with {len(families)} families: {exc}", pytrace=False)
+    print(f"tritonserver with {len(families)} lora_llm copies ready in {time.monotonic() - t0:.1f} s")
+    try:
+        yield server
+    finally:
+        server.stop(grace=10)
+
+
+def chosen(result) -> list[tuple[int, float]]:
+    """(token id, logprob) of each token chosen, from the streamed logprobs outputs."""
+    pairs = []
+    for response in result.responses:
+        for entry in json.loads(response["logprobs"][0]) or []:
+            token, info = next(iter(entry.items()))
+            pairs.append((int(token), float(info["logprob"])))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def served(triton_server, families):
+    """(family, prompt, adapter or None) -> the server's StreamResult; every request in flight together."""
+    jobs = [(name, prompt, lora) for name in families for prompt in PROMPTS for lora in (None, *ADAPTERS)]
+
+    def run(job):
+        name, prompt, lora = job
+        params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0,
+                  **({"lora_name": lora} if lora else {})}
+        return stream_generate(triton_server.grpc_url, prompt, params, headers=HEADERS, model=model_name(name),
+                               timeout=120, return_logprobs=True)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_served_equals_transformers_and_peft(name, served, families):
+    from peft_reference import teacher_forced_logits
+    from transformers import AutoTokenizer
+
+    model_dir, adapters = families[name]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer(prompt).input_ids
+        for lora in (None, *ADAPTERS):
+            result = served[name, prompt, lora]
+            where = f"{name} {lora or 'base'} {prompt!r}"
+            assert result.error is None and result.final_count == 1, (where, result.error)
+            tokens, logprobs = zip(*chosen(result))
+            assert len(tokens) == MAX_TOKENS, where
+            ref = teacher_forced_logits(model_dir, adapters.get(lora), prompt_ids, list(tokens))
+            assert list(tokens) == ref.argmax(-1).tolist(), f"{where}: greedy tokens differ from transformers + peft"
+            want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(logprobs), want, atol=LOGPROB_ATOL, rtol=0,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+
+
+def test_an_adapter_of_another_family_is_skipped_by_each_copy(triton_server, families):
+    log = Path(triton_server.log_path).read_text(errors="replace")
+    for name, (model_dir, _) in families.items():
+        skipped = [line for line in log.splitlines() if f"skipping adapter '{MISFIT}'" in line and model_dir in line]
+        # lora_llm's start-up; lora_adapters reads the file once it is asked
+        assert len(skipped) == 1 and "which the base model does not have" in skipped[0], (name, skipped)
+        result = stream_generate(triton_server.grpc_url, PROMPTS[0], {"lora_name": MISFIT, "max_tokens": 2},
+                                 headers=HEADERS, model=model_name(name))
+        assert result.error is not None and f"LoRA {MISFIT} is not supported" in str(result.error), name
+
+
+@pytest.fixture(scope="module")
+def gateway(triton_server, families, tmp_path_factory):
+    """``loraplex-openai --model-dir`` on the Phi-3 checkpoint in front of the module's server; yields its URL."""
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with run_gateway(triton_server.grpc_url, families[GATEWAY_FAMILY][0], log, "--served-model-name",
+                     SERVED_NAME) as url:
+        yield f"{url}/v1"
+
+
+def test_the_gateway_lists_and_serves_the_phi3_adapters(gateway, families):
+    from peft_reference import greedy_tokens
+    from transformers import AutoTokenizer
+
+    model_dir, adapters = families[GATEWAY_FAMILY]
+    sdk = openai.OpenAI(base_url=gateway, api_key="none", max_retries=0, default_headers=HEADERS)
+    models = [(m.id, m.parent) for m in sdk.models.list().data]
+    assert models == [(SERVED_NAME, None), *((a, SERVED_NAME) for a in sorted(ADAPTERS))]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for model, lora in ((SERVED_NAME, None), ("all", "all")):
+        reply = sdk.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        want = greedy_tokens(model_dir, adapters.get(lora), tokenizer(PROMPTS[0]).input_ids, MAX_TOKENS,
+                             ignore_eos=True)
+        assert reply.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), model
+        assert reply.usage.completion_tokens == MAX_TOKENS
