@@ -209,7 +209,12 @@ def test_what_is_not_served_is_refused_by_name(case):
         parse(config, tensors(cfg), cfg)
 
 
-def test_tensor_bound_counts_every_expert():
+def test_tensor_and_byte_bounds_count_every_expert():
+    from loraplex.lora.store import max_weights_bytes
+
+    many = qwen(num_experts=64)  # experts' pairs outweigh the dense ones: the bound must count them
+    full = per_expert_tensors(many, r=16, experts=range(64))
+    assert len(save_safetensors({k: t.double() for k, t in full.items()})) <= max_weights_bytes(many, 16)
     cfg = qwen()
     dense = 2 * 3 * len(MODULES)
     assert max_adapter_tensors(cfg) - max_adapter_tensors(qwen(num_experts=0)) == 2 * 2 * (E * 3 + 1)  # 2 MoE layers
