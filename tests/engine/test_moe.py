@@ -150,6 +150,7 @@ def test_engine_batch_of_base_and_expert_adapters_equals_peft(moe, layout):
         torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
                                    msg=lambda m, rid=rid: f"{moe.name} {rid}: {m}")
     assert engine.adapters.pinned_count() == 0
+    assert engine.adapters.evictions > 0 and engine.adapters.host_evictions > 0  # slots and host copies reused
 
 
 def test_adapters_change_the_outputs_and_fit(moe):
