@@ -1,6 +1,6 @@
 """Decode step time of each model family against the Llama path, per active parameter, in one run.
 
-    python benchmarks/families.py [--families llama,qwen3,...] [--batch 1,8] [--steps 48] [--json PATH]
+    python benchmarks/families.py [--families llama,qwen3,...] [--batch 1,8] [--steps 48] [--quick] [--json PATH]
 
 Every family gets a random checkpoint of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV
 heads, MLP 1536, its 49,152-token vocabulary), built from transformers' own config class with the family's
@@ -39,18 +39,23 @@ FAMILIES = {
     "qwen3-moe": dict(model_type="qwen3_moe"),
 }
 MOE_FAMILIES = ("mixtral", "qwen3-moe")
+# --quick (make test's smoke run of make bench): tiny shapes, three families, its figures meaningless
+QUICK_SHAPE = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=320)
+QUICK_MOE = dict(MOE, moe_intermediate_size=64)
+QUICK_FAMILIES = "llama,qwen3,qwen3-moe"
 
 
-def build(root: Path, name: str) -> tuple[str, int]:
+def build(root: Path, name: str, quick: bool = False) -> tuple[str, int]:
     """The family's random checkpoint under root: (model dir, active parameters per token)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from loraplex.models.builtin.demo import build_byte_tokenizer
 
-    spec = {**SHAPE, **FAMILIES[name]}
+    spec = {**(QUICK_SHAPE if quick else SHAPE), **FAMILIES[name]}
     if name in MOE_FAMILIES:
-        spec = {**MOE, **spec}
+        spec = {**(QUICK_MOE if quick else MOE), **spec}
     out = root / name
     build_byte_tokenizer(out, spec["max_position_embeddings"])
     model_type = spec.pop("model_type")
@@ -88,44 +93,54 @@ def step_times(model_dir: str, batch: int, steps: int) -> float:
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=48, help="decode steps a round (default: %(default)s)")
-    ap.add_argument("--json", default=None, help="write the figures here")
-    args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batch.split(",")]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="families-") as tmp:
-        for name in args.families.split(","):
-            model_dir, active = build(Path(tmp), name)
-            row = {"family": name, "active_params": active}
-            for b in batches:
-                row[f"ms_b{b}"] = 1000 * step_times(model_dir, b, args.steps)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            for f in Path(model_dir).glob("*.safetensors"):
-                f.unlink()  # 0.5-1.5 GB each
+PAIRS = (("mixtral", "mistral-window"), ("qwen3-moe", "qwen3"))  # MoE -> the dense family of its attention
+
+
+def summary(rows: list[dict], batches: list[int]) -> tuple[str, dict]:
+    """The markdown table and the goals' figures: {"worst_per_param": the largest family / llama ratio per active
+    parameter, "moe_over_dense": the largest MoE / dense step ratio}, over the batch sizes."""
     llama = next((r for r in rows if r["family"] == "llama"), rows[0])
-    dense = {r["family"]: r for r in rows}
-    print("\n| family | active params (M) | " + " | ".join(f"ms/step b={b} | per param vs llama b={b}" for b in batches)
-          + " |")
-    print("|---|---|" + "---|---|" * len(batches))
+    by = {r["family"]: r for r in rows}
+    lines = ["| family | active params (M) | " + " | ".join(f"ms/step b={b} | per param vs llama b={b}" for b in batches)
+             + " |", "|---|---|" + "---|---|" * len(batches)]
+    worst = 0.0
     for r in rows:
         cells = []
         for b in batches:
             per = (r[f"ms_b{b}"] / r["active_params"]) / (llama[f"ms_b{b}"] / llama["active_params"])
-            r[f"per_param_vs_llama_b{b}"] = per
+            worst = max(worst, per)
             cells += [f"{r[f'ms_b{b}']:.1f}", f"{per:.2f}x"]
-        print(f"| {r['family']} | {r['active_params'] / 1e6:.1f} | " + " | ".join(cells) + " |")
-    for moe, base in (("mixtral", "mistral-window"), ("qwen3-moe", "qwen3")):
-        if moe in dense and base in dense:
+        lines.append(f"| {r['family']} | {r['active_params'] / 1e6:.1f} | " + " | ".join(cells) + " |")
+    moe = [(m, d, b, by[m][f"ms_b{b}"] / by[d][f"ms_b{b}"]) for m, d in PAIRS if m in by and d in by for b in batches]
+    lines += ["", *(f"{m} / {d} (equal active MLP) at batch {b}: {ratio:.2f}x" for m, d, b, ratio in moe)]
+    return "\n".join(lines), {"worst_per_param": worst, "moe_over_dense": max((x[3] for x in moe), default=None)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default=None, help=f"comma-separated (default: all: {','.join(FAMILIES)})")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps a round (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help=f"tiny shapes, {QUICK_FAMILIES}, 4 steps (a smoke run)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    steps = 4 if args.quick else args.steps
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="families-") as tmp:
+        for name in (args.families or (QUICK_FAMILIES if args.quick else ",".join(FAMILIES))).split(","):
+            model_dir, active = build(Path(tmp), name, args.quick)
+            row = {"family": name, "active_params": active}
             for b in batches:
-                ratio = dense[moe][f"ms_b{b}"] / dense[base][f"ms_b{b}"]
-                print(f"{moe} / {base} (equal active MLP) at batch {b}: {ratio:.2f}x")
+                row[f"ms_b{b}"] = 1000 * step_times(model_dir, b, steps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for f in Path(model_dir).glob("*.safetensors"):
+                f.unlink()  # 0.5-1.5 GB each
+    text, _ = summary(rows, batches)
+    print("\n" + text)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"batches": batches, "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -68,6 +68,10 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
         served(result, suite.QUICK_PREFIX.requests)
     assert 0 < on["prefill_tokens"] <= off["prefill_tokens"]
 
+    fams = report["parts"]["families"]
+    assert [r["family"] for r in fams["rows"]] == suite.families.QUICK_FAMILIES.split(",")
+    assert all(r[f"ms_b{b}"] > 0 for r in fams["rows"] for b in fams["batches"])
+
     goals = {g["key"]: g for g in report["goals"]}
     assert set(goals) == set(suite.GOALS)
     assert all(g["measured"] > 0 and g["met"] == (g["measured"] >= g["asked"]) for g in goals.values())
@@ -78,6 +82,7 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
     section = text[text.index(suite.BEGIN):text.index(suite.END)]
     assert "## The latest `make bench`" in section and "--quick" in section
     assert "](plots/throughput_vs_load.png)" in section and "](plots/latency_cdf.png)" in section
+    assert "### Model families (issue 40)" in section and "| qwen3-moe |" in section
     original = (suite.ROOT / "docs" / "benchmarks.md").read_text()
     after = original[original.index(suite.END):]
     assert text.count(suite.BEGIN) == 1 and text.endswith(after)  # the per-script sections after it stay as they were
