@@ -211,7 +211,7 @@ def check_safetensors_header(data: bytes, max_tensors: int | None = None) -> dic
         raise bad("__metadata__ must map strings to strings")
     if max_tensors is not None and len(header) > max_tensors:
         raise bad(f"the header lists {len(header)} tensors; an adapter of this base model has at most "
-                  f"{max_tensors} (lora_A and lora_B of each projection of each layer)")
+                  f"{max_tensors} (lora_A and lora_B of each projection of each layer, its experts and vocabulary parts)")
     size = len(data) - 8 - n
     spans = []
     for tensor, entry in header.items():

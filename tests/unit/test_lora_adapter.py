@@ -552,7 +552,7 @@ def test_more_tensors_than_the_model_has_room_for_are_refused_before_any_entry_i
         check_safetensors_header(data, max_adapter_tensors(hf_config))
     assert str(info.value) == ("adapter_model.safetensors is not a valid safetensors file: the header lists 1000 "
                                "tensors; an adapter of this base model has at most 36 (lora_A and lora_B of each "
-                               "projection of each layer)")
+                               "projection of each layer, its experts and vocabulary parts)")
 
 
 def test_a_full_adapter_plus_one_tensor_is_refused_by_the_count(good, hf_config, tmp_path):
@@ -560,7 +560,7 @@ def test_a_full_adapter_plus_one_tensor_is_refused_by_the_count(good, hf_config,
     edit_tensors(folder, lambda t: t.update({f"extra{i}": torch.zeros(4, 64) for i in range(9)}))
     assert expect_error(folder, hf_config) == (
         "adapter 't': adapter_model.safetensors is not a valid safetensors file: the header lists 37 tensors; "
-        "an adapter of this base model has at most 36 (lora_A and lora_B of each projection of each layer)")
+        "an adapter of this base model has at most 36 (lora_A and lora_B of each projection of each layer, its experts and vocabulary parts)")
 
 
 def test_zero_element_tensors_are_refused(good, hf_config, tmp_path):
