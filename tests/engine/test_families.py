@@ -5,16 +5,13 @@ and each step's logprob of the chosen token equal to peft's teacher-forced log-s
 from __future__ import annotations
 
 import pytest
-import torch
+from exactness import assert_matches_oracle, run_greedy_logprobs
 from families import ADAPTERS, DENSE_FAMILIES, WINDOW, build_family
-from peft_reference import teacher_forced_logits
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import SamplingParams
 from loraplex.triton.model_config import fitting_adapters
 
-LOGPROB_ATOL = 2e-4  # fp32 throughout; the sums run in another order than torch's
 MAX_TOKENS = 12
 # 3x the sliding window, so windowed layers attend to a part of the prompt only
 PROMPTS = ["The quick brown fox jumps over", "ab" * (3 * WINDOW // 2)]
@@ -36,26 +33,10 @@ def test_base_and_adapters_in_one_batch_equal_peft(family, loras):
     """Base rows alone (a Llama-like family's one-call decode), then mixed with every adapter kind."""
     name, model_dir, adapters = family
     engine = _engine(model_dir, adapters)
-    requests = {}
-    for prompt in PROMPTS:
-        for lora in loras:
-            rid = f"{lora}:{len(requests)}"
-            params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
-            requests[rid] = (engine.make_request(rid, prompt, SamplingParams.from_dict(
-                params | ({"lora_name": lora} if lora else {})), "t"), lora)
-            engine.add_request(requests[rid][0])
-    tokens, logprobs = {rid: [] for rid in requests}, {rid: [] for rid in requests}
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id] += out.token_ids
-            logprobs[out.request_id] += [entry["token"][1] for entry in out.logprobs or []]
-    for rid, (request, lora) in requests.items():
-        ref = teacher_forced_logits(model_dir, adapters.get(lora), request.prompt_token_ids, tokens[rid])
-        assert tokens[rid] == ref.argmax(-1).tolist(), f"{name} {rid}: greedy tokens differ from transformers + peft"
-        want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens[rid])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
-                                   msg=lambda m, rid=rid: f"{name} {rid}: {m}")
+    batch = {f"{lora}:{i}": (prompt, lora) for i, (prompt, lora) in enumerate(
+        (prompt, lora) for prompt in PROMPTS for lora in loras)}
+    requests, tokens, logprobs = run_greedy_logprobs(engine, batch, MAX_TOKENS)
+    assert_matches_oracle(lambda lora: (model_dir, adapters.get(lora)), batch, requests, tokens, logprobs, name)
     assert engine.adapters.pinned_count() == 0
 
 

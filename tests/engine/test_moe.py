@@ -18,11 +18,11 @@ import pytest
 import torch
 from moe_models import ATTENTION, EXPERT_NAMES, MOE_FAMILIES, build_adapter, build_moe, fuse_experts, merged_model, \
     per_expert_adapter
+from exactness import assert_matches_oracle, run_greedy_logprobs
 from peft_reference import reference_model, teacher_forced_logits
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import SamplingParams
 from loraplex.lora.adapter import load_peft_adapter
 from loraplex.lora.backends import KernelLoraBackend, NativeLoraBackend, TorchLoraBackend
 from loraplex.lora.moe_layout import expert_layout
@@ -33,7 +33,6 @@ from loraplex.models.moe import take_moe
 from loraplex.triton.model_config import fitting_adapters
 
 BLOCK_ATOL = 1e-5  # the block's outputs are O(1); LoRA's sums run in another order than peft's merged weights
-LOGPROB_ATOL = 2e-4
 MAX_TOKENS = 8
 PROMPTS = ["The quick brown fox jumps over", "abab 1, 2, 3"]
 
@@ -129,26 +128,10 @@ def test_engine_batch_of_base_and_expert_adapters_equals_peft(moe, layout):
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=128,
                                     num_kv_blocks=96, block_size=4, max_loras=3, max_cpu_loras=2, max_lora_rank=16,
                                     multi_lora=moe.adapters))
-    requests = {}
-    for prompt in PROMPTS:
-        for lora in [None, *moe.adapters]:
-            rid = f"{lora}:{len(requests)}"
-            params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
-            requests[rid] = (engine.make_request(rid, prompt, SamplingParams.from_dict(
-                params | ({"lora_name": lora} if lora else {})), "t"), lora)
-            engine.add_request(requests[rid][0])
-    tokens, logprobs = {rid: [] for rid in requests}, {rid: [] for rid in requests}
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id] += out.token_ids
-            logprobs[out.request_id] += [entry["token"][1] for entry in out.logprobs or []]
-    for rid, (request, lora) in requests.items():
-        ref = teacher_forced_logits(*moe.oracles[lora], request.prompt_token_ids, tokens[rid])
-        assert tokens[rid] == ref.argmax(-1).tolist(), f"{moe.name} {rid}: greedy tokens differ from the oracle"
-        want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens[rid])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
-                                   msg=lambda m, rid=rid: f"{moe.name} {rid}: {m}")
+    batch = {f"{lora}:{i}": (prompt, lora) for i, (prompt, lora) in enumerate(
+        (prompt, lora) for prompt in PROMPTS for lora in [None, *moe.adapters])}
+    requests, tokens, logprobs = run_greedy_logprobs(engine, batch, MAX_TOKENS)
+    assert_matches_oracle(moe.oracles.__getitem__, batch, requests, tokens, logprobs, moe.name)
     assert engine.adapters.pinned_count() == 0
     assert engine.adapters.evictions > 0 and engine.adapters.host_evictions > 0  # slots and host copies reused
 

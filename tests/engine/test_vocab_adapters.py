@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from families import DENSE_FAMILIES, SMALL
-from peft_reference import teacher_forced_logits
+from exactness import assert_matches_oracle, run_greedy_logprobs
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
@@ -20,7 +20,6 @@ from loraplex.engine.request import SamplingParams
 from loraplex.kernels import dispatch
 from loraplex.models.llama import AttentionBatch
 
-LOGPROB_ATOL = 2e-4  # fp32 throughout; the sums run in another order than torch's
 MAX_TOKENS = 8
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
@@ -87,29 +86,14 @@ def built(tmp_path_factory):
 
 
 def run_batch(engine, batch: dict[str, str | None]):
-    """Greedy requests (request id -> adapter or None), stepped to the end: (requests, tokens, logprobs)."""
-    requests = {}
-    for rid, lora in batch.items():
-        params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
-        requests[rid] = engine.make_request(rid, PROMPTS[rid], SamplingParams.from_dict(
-            params | ({"lora_name": lora} if lora else {})), "t")
-        engine.add_request(requests[rid])
-    tokens, logprobs = {rid: [] for rid in batch}, {rid: [] for rid in batch}
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id] += out.token_ids
-            logprobs[out.request_id] += [entry["token"][1] for entry in out.logprobs or []]
-    return requests, tokens, logprobs
+    """Greedy requests (request id -> adapter or None) on PROMPTS[id], stepped to the end: (requests, tokens,
+    logprobs)."""
+    return run_greedy_logprobs(engine, {rid: (PROMPTS[rid], lora) for rid, lora in batch.items()}, MAX_TOKENS)
 
 
 def assert_equal_peft(model_dir, adapters, batch, requests, tokens, logprobs, what):
-    for rid, lora in batch.items():
-        ref = teacher_forced_logits(model_dir, adapters.get(lora), requests[rid].prompt_token_ids, tokens[rid])
-        assert tokens[rid] == ref.argmax(-1).tolist(), f"{what} {rid}: greedy tokens differ from transformers + peft"
-        want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens[rid])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs[rid]), want, atol=LOGPROB_ATOL, rtol=0,
-                                   msg=lambda m, rid=rid: f"{what} {rid}: {m}")
+    assert_matches_oracle(lambda lora: (model_dir, adapters.get(lora)),
+                          {rid: (PROMPTS[rid], lora) for rid, lora in batch.items()}, requests, tokens, logprobs, what)
 
 
 def engine_for(model_dir, adapters, max_loras=None):
