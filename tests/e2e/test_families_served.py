@@ -2,14 +2,16 @@
 (issue 40).
 
 One server for the module hosts one copy of lora_llm per family: each copy's config.pbtxt names its family's tiny
-checkpoint (tests/support/families.py) as ``model_dir`` and serves the family's adapters through multi_lora.json in
-its version folder, beside an entry that is another family's and does not fit. LORAPLEX_MODEL_DIR is set empty, so
+checkpoint (tests/support/families.py, moe_models.py) as ``model_dir`` and serves the family's adapters through
+multi_lora.json in its version folder, beside an entry that is another family's and does not fit. LORAPLEX_MODEL_DIR is set empty, so
 no copy is overridden by the environment. The Phi-3 copy is the one named ``lora_llm``, with ``lora_adapters`` on
 the same checkpoint, so the gateway (``loraplex-openai --model-dir`` on that checkpoint) fronts it.
 
 Each streamed greedy request (base rows and every adapter kind, sent together so they share batches) equals
 transformers + peft token for token, with one final response, and each token's logprob equals the teacher-forced
-log-softmax. A prompt of 3x the sliding window makes the windowed layers attend to part of it only. /v1/models lists
+log-softmax. The dense families' adapters: attention, all-linear, rsLoRA, DoRA (Phi-3's on its fused projections);
+Qwen3-MoE's: attention, LoRA on the fused experts (peft's target_parameters), all-linear with the router, and
+per-expert modules as transformers 4.x wrote them (oracle: transformers on the merged weights). A prompt of 3x the sliding window makes the windowed layers attend to part of it only. /v1/models lists
 the Phi-3 adapters multi_lora.json gives (not the one that does not fit), and a completion on one equals peft.
 
 Triton runs with --disable-auto-complete-config: otherwise it starts one more Python stub per model only to ask for
@@ -22,6 +24,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -29,13 +32,16 @@ import pytest
 import torch
 from families import ADAPTERS, WINDOW, build_family
 from helpers import run_gateway
+from moe_models import ATTENTION, EXPERT_NAMES, build_adapter, build_moe, merged_model, per_expert_adapter
 from tritonserver_fixture import DEFAULT_MODEL_REPOSITORY, demo_server
 
 from loraplex.clients.generate import stream_generate
 
-# Soft-capping, sandwich norms, GeGLU (gemma2); q/k norms, local/global windows and rotary bases (gemma3); fused
-# projections and partial rotary (phi3); q/k norms, head_dim decoupled from hidden / heads, tied embeddings (qwen3)
-FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3")
+# Soft-capping, sandwich norms, GeGLU (gemma2); q/k norms, local/global windows and rotary bases, tied embeddings
+# (gemma3); fused projections and partial rotary (phi3); q/k norms, head_dim decoupled from hidden / heads, top-k
+# routing with norm_topk_prob, a dense layer among the sparse ones (qwen3moe). Four lora_llm stubs: each costs ~4 s
+# of CPU to start.
+FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3moe")
 GATEWAY_FAMILY = "phi3"  # served as lora_llm, behind the gateway
 SERVED_NAME = "phi3-tiny"  # the gateway's id of its base model
 MISFIT = "misfit"  # in each copy's multi_lora.json: an adapter of another family, on modules this one lacks
@@ -64,23 +70,50 @@ def copy_model(repo: Path, src: str, name: str, model_dir: str) -> Path:
     return target
 
 
-def family_repository(repo: Path, families: dict[str, tuple[str, dict[str, str]]]) -> Path:
+@dataclass
+class Family:
+    model_dir: str
+    adapters: dict[str, str]  # name -> peft folder
+    oracles: dict[str | None, tuple[str, str | None]]  # adapter (None: base) -> (transformers model, peft adapter)
+
+
+def dense_family(root: Path, name: str) -> Family:
+    model_dir, adapters = build_family(root, name)
+    return Family(model_dir, adapters, {None: (model_dir, None), **{a: (model_dir, adapters[a]) for a in adapters}})
+
+
+def moe_family(root: Path, name: str) -> Family:
+    model_dir = build_moe(root, name)
+    root = root / name
+    experts = list(EXPERT_NAMES["qwen3_moe"])
+    adapters = {"attn": build_adapter(model_dir, root / "attn", 8, 16, 11, ATTENTION),
+                # target_modules on the experts: peft (transformers 5) saves them as target_parameters
+                "experts": build_adapter(model_dir, root / "experts", 4, 8, 12, ["q_proj", *experts]),
+                "all-linear": build_adapter(model_dir, root / "all", 4, 4, 16, "all-linear"),
+                "per-expert": per_expert_adapter(model_dir, root / "per-expert", 4, 8, 14)}
+    oracles = {None: (model_dir, None), **{a: (model_dir, adapters[a]) for a in ("attn", "experts", "all-linear")},
+               "per-expert": (merged_model(model_dir, adapters["per-expert"], root / "merged"), None)}
+    return Family(model_dir, adapters, oracles)
+
+
+def family_repository(repo: Path, families: dict[str, Family]) -> Path:
     """A lora_llm copy per family on its checkpoint, its adapters and a misfit in multi_lora.json; lora_adapters
     on the gateway family's checkpoint."""
     repo.mkdir(parents=True, exist_ok=True)
-    for name, (model_dir, adapters) in families.items():
-        target = copy_model(repo, "lora_llm", model_name(name), model_dir)
+    for name, family in families.items():
+        target = copy_model(repo, "lora_llm", model_name(name), family.model_dir)
         # Phi-3's fused projections are no other family's: its adapters fit no other family, and theirs not Phi-3
         other = next(o for o in families if (o == "phi3") != (name == "phi3"))
-        (target / "1" / "multi_lora.json").write_text(json.dumps({**adapters, MISFIT: families[other][1]["all"]}))
-    copy_model(repo, "lora_adapters", "lora_adapters", families[GATEWAY_FAMILY][0])
+        misfit = next(iter(families[other].adapters.values()))
+        (target / "1" / "multi_lora.json").write_text(json.dumps({**family.adapters, MISFIT: misfit}))
+    copy_model(repo, "lora_adapters", "lora_adapters", families[GATEWAY_FAMILY].model_dir)
     return repo
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory) -> dict[str, tuple[str, dict[str, str]]]:
+def families(tmp_path_factory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("families")
-    return {name: build_family(root, name) for name in FAMILIES}
+    return {name: (moe_family if name.endswith("moe") else dense_family)(root, name) for name in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +121,7 @@ def triton_server(families, demo, tmp_path_factory):
     server = demo_server(tmp_path_factory.mktemp("tritonserver-families"), demo,
                          model_repository=lambda repo: family_repository(repo, families),
                          adapter_store=lambda store, _demo: store, env={"LORAPLEX_MODEL_DIR": ""},
-                         engine_config={"block_size": 4, "num_kv_blocks": 128, "max_loras": len(ADAPTERS),
-                                        "max_lora_rank": 16},
+                         engine_config={"block_size": 4, "num_kv_blocks": 128, "max_loras": 4, "max_lora_rank": 16},
                          extra_args=["--disable-auto-complete-config"], ready_timeout=180.0)
     t0 = time.monotonic()
     try:
@@ -116,7 +148,8 @@ def chosen(result) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def served(triton_server, families):
     """(family, prompt, adapter or None) -> the server's StreamResult; every request in flight together."""
-    jobs = [(name, prompt, lora) for name in families for prompt in PROMPTS for lora in (None, *ADAPTERS)]
+    jobs = [(name, prompt, lora) for name, family in families.items() for prompt in PROMPTS
+            for lora in (None, *family.adapters)]
 
     def run(job):
         name, prompt, lora = job
@@ -134,17 +167,17 @@ def test_each_family_served_equals_transformers_and_peft(name, served, families)
     from peft_reference import teacher_forced_logits
     from transformers import AutoTokenizer
 
-    model_dir, adapters = families[name]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    family = families[name]
+    tokenizer = AutoTokenizer.from_pretrained(family.model_dir)
     for prompt in PROMPTS:
         prompt_ids = tokenizer(prompt).input_ids
-        for lora in (None, *ADAPTERS):
+        for lora in (None, *family.adapters):
             result = served[name, prompt, lora]
             where = f"{name} {lora or 'base'} {prompt!r}"
             assert result.error is None and result.final_count == 1, (where, result.error)
             tokens, logprobs = zip(*chosen(result))
             assert len(tokens) == MAX_TOKENS, where
-            ref = teacher_forced_logits(model_dir, adapters.get(lora), prompt_ids, list(tokens))
+            ref = teacher_forced_logits(*family.oracles[lora], prompt_ids, list(tokens))
             assert list(tokens) == ref.argmax(-1).tolist(), f"{where}: greedy tokens differ from transformers + peft"
             want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(logprobs), want, atol=LOGPROB_ATOL, rtol=0,
@@ -153,10 +186,11 @@ def test_each_family_served_equals_transformers_and_peft(name, served, families)
 
 def test_an_adapter_of_another_family_is_skipped_by_each_copy(triton_server, families):
     log = Path(triton_server.log_path).read_text(errors="replace")
-    for name, (model_dir, _) in families.items():
-        skipped = [line for line in log.splitlines() if f"skipping adapter '{MISFIT}'" in line and model_dir in line]
+    for name, family in families.items():
+        skipped = [line for line in log.splitlines()
+                   if f"skipping adapter '{MISFIT}'" in line and family.model_dir in line]
         # lora_llm's start-up; lora_adapters reads the file once it is asked
-        assert len(skipped) == 1 and "which the base model does not have" in skipped[0], (name, skipped)
+        assert len(skipped) == 1 and "does not fit the served base model" in skipped[0], (name, skipped)
         result = stream_generate(triton_server.grpc_url, PROMPTS[0], {"lora_name": MISFIT, "max_tokens": 2},
                                  headers=HEADERS, model=model_name(name))
         assert result.error is not None and f"LoRA {MISFIT} is not supported" in str(result.error), name
@@ -166,7 +200,7 @@ def test_an_adapter_of_another_family_is_skipped_by_each_copy(triton_server, fam
 def gateway(triton_server, families, tmp_path_factory):
     """``loraplex-openai --model-dir`` on the Phi-3 checkpoint in front of the module's server; yields its URL."""
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with run_gateway(triton_server.grpc_url, families[GATEWAY_FAMILY][0], log, "--served-model-name",
+    with run_gateway(triton_server.grpc_url, families[GATEWAY_FAMILY].model_dir, log, "--served-model-name",
                      SERVED_NAME) as url:
         yield f"{url}/v1"
 
@@ -175,15 +209,14 @@ def test_the_gateway_lists_and_serves_the_phi3_adapters(gateway, families):
     from peft_reference import greedy_tokens
     from transformers import AutoTokenizer
 
-    model_dir, adapters = families[GATEWAY_FAMILY]
+    family = families[GATEWAY_FAMILY]
     sdk = openai.OpenAI(base_url=gateway, api_key="none", max_retries=0, default_headers=HEADERS)
     models = [(m.id, m.parent) for m in sdk.models.list().data]
     assert models == [(SERVED_NAME, None), *((a, SERVED_NAME) for a in sorted(ADAPTERS))]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(family.model_dir)
     for model, lora in ((SERVED_NAME, None), ("all", "all")):
         reply = sdk.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"ignore_eos": True})
-        want = greedy_tokens(model_dir, adapters.get(lora), tokenizer(PROMPTS[0]).input_ids, MAX_TOKENS,
-                             ignore_eos=True)
+        want = greedy_tokens(*family.oracles[lora], tokenizer(PROMPTS[0]).input_ids, MAX_TOKENS, ignore_eos=True)
         assert reply.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), model
         assert reply.usage.completion_tokens == MAX_TOKENS
