@@ -55,6 +55,7 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
+    max_expert_lora_rank: int | str = "auto"  # MoE: rank of the expert LoRA stacks, 0 = none; auto: decision 069
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
     adapter_store_max_bytes: int = 16 << 30  # every tenant's uploaded versions on disk together; 0 = no cap
@@ -78,6 +79,9 @@ class EngineConfig:
             (self.prefix_cache_scope in ("tenant", "global"), "prefix_cache_scope must be tenant or global"),
             (self.max_loras >= 1 and self.max_cpu_loras >= 1, "max_loras and max_cpu_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.max_expert_lora_rank == "auto" or (
+                type(self.max_expert_lora_rank) is int and 0 <= self.max_expert_lora_rank <= self.max_lora_rank),
+             "max_expert_lora_rank must be auto or an integer from 0 (no expert LoRA) to max_lora_rank"),
             (self.adapter_store_max_bytes >= 0, "adapter_store_max_bytes must be >= 0 (0 = no cap)"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (0 <= self.tenant_queue_share < 1, "tenant_queue_share must be in [0, 1)"),

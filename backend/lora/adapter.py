@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from loraplex.exceptions import AdapterError
-from loraplex.lora.experts import ExpertLora, expert_layout, parse_experts, take_expert_tensors
+from loraplex.lora.experts import ExpertLora, expert_layout, parse_experts, refuse_experts, take_expert_tensors
 from loraplex.lora.patterns import MAX_REGEX_CHARS, REGEX_BUDGET_SECONDS, Patterns, check_pattern  # noqa: F401
 from loraplex.lora.vocab import (CONFIG_NAMES, MAX_VOCAB_TENSORS, MODULES_TO_SAVE_REASON, VOCAB_MODULES,
                                  VocabAdapter, check_vocab_header, parse_vocab, vocab_module)
@@ -242,8 +242,10 @@ def check_safetensors_header(data: bytes, max_tensors: int | None = None) -> dic
     return header
 
 
-def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torch.float32) -> LoraAdapter:
-    """Read, validate and convert a PEFT LoRA adapter folder for the given base model."""
+def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torch.float32,
+                      max_expert_rank: int | None = None) -> LoraAdapter:
+    """Read, validate and convert a PEFT LoRA adapter folder for the given base model (max_expert_rank: see
+    parse_peft_adapter)."""
     folder = Path(path)
     where = f"adapter {name!r}"  # no server path in messages that reach clients
     log.debug("loading %s from %s", where, folder)
@@ -264,12 +266,14 @@ def load_peft_adapter(path, name: str, hf_config, max_lora_rank: int, dtype=torc
         raise AdapterError(f"{where}: {CONFIG_FILE} is {config_path.stat().st_size} bytes; at most "
                            f"{MAX_CONFIG_BYTES} are allowed")
     return parse_peft_adapter(config_path.read_bytes(), weights_path.read_bytes(), name, hf_config, max_lora_rank,
-                              dtype, path=str(folder))
+                              dtype, path=str(folder), max_expert_rank=max_expert_rank)
 
 
 def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_config, max_lora_rank: int,
-                       dtype=torch.float32, path: str = "") -> LoraAdapter:
-    """Validate and convert a PEFT LoRA adapter given as its two files' bytes (see load_peft_adapter)."""
+                       dtype=torch.float32, path: str = "", max_expert_rank: int | None = None) -> LoraAdapter:
+    """Validate and convert a PEFT LoRA adapter given as its two files' bytes (see load_peft_adapter).
+    max_expert_rank: the largest rank of LoRA on a MoE model's experts and router (the slots' expert stacks,
+    EngineConfig.max_expert_lora_rank, decision 069); None: max_lora_rank; 0: such an adapter is refused."""
     where = f"adapter {name!r}"
     digest = adapter_digest(config_bytes, weights_bytes)
     patterns = Patterns(where)
@@ -288,6 +292,8 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     except AdapterError as exc:
         raise AdapterError(f"{where}: {exc}") from None
     check_vocab_header(header, hf_config, max_lora_rank, where)  # before any tensor is allocated
+    if layout is not None and max_expert_rank == 0:
+        refuse_experts(header, layout, settings, where)  # before any tensor is allocated
     try:
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
@@ -352,7 +358,9 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
     max_rank = max(max_rank, vocab.rank if vocab is not None else 0)
     experts = {}
     if layout is not None:
-        experts = parse_experts(expert_tensors, layout, settings, where, patterns, max_lora_rank, dtype)
+        limit = max_lora_rank if max_expert_rank is None else max_expert_rank
+        knob = "max_expert_lora_rank" if limit < max_lora_rank else "max_lora_rank"
+        experts = parse_experts(expert_tensors, layout, settings, where, patterns, limit, dtype, knob)
         if not weights and not experts and vocab is None:
             raise AdapterError(f"{where}: {CONFIG_FILE} targets none of the modules {', '.join(order)}, nor the "
                                f"experts ({', '.join(layout.leaves)} per expert, or target_parameters)")

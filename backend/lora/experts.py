@@ -52,20 +52,38 @@ def take_expert_tensors(tensors: dict[str, torch.Tensor], layout: ExpertLayout, 
     """Remove the expert and router tensors from ``tensors`` and return them; AdapterError for shared experts."""
     taken = {}
     for name in list(tensors):
-        short = name.removeprefix("base_model.model.")
-        if ".shared_expert" in short:
+        if ".shared_expert" in name:
             raise AdapterError(f"{where}: tensor {name}: LoRA on shared experts is not served")
-        router = _ROUTER.match(short)
-        if ".experts." in f".{short}" or (router is not None and router.group(2) in (layout.parent, "mlp")):
+        if is_expert_tensor(name, layout):
             taken[name] = tensors.pop(name)
     return taken
 
 
+def is_expert_tensor(name: str, layout: ExpertLayout) -> bool:
+    """Whether an adapter tensor is LoRA on the experts (either layout) or on the router."""
+    short = name.removeprefix("base_model.model.")
+    router = _ROUTER.match(short)
+    return ".experts." in f".{short}" or (router is not None and router.group(2) in (layout.parent, "mlp"))
+
+
+def refuse_experts(names, layout: ExpertLayout, settings, where: str) -> None:
+    """AdapterError naming max_expert_lora_rank when an adapter's tensors (names: its safetensors header's) or its
+    target_parameters adapt the experts or the router: the server holds no expert stacks (decision 069)."""
+    found = min((n for n in names if is_expert_tensor(n, layout)), default=None)
+    what = f"tensor {found}" if found is not None else (
+        f"target_parameters {settings.target_parameters}" if settings.target_parameters else None)
+    if what is not None:
+        raise AdapterError(f"{where}: {what} adapts the MoE experts or router, but this server serves LoRA on "
+                           f"attention and dense layers only (max_expert_lora_rank is 0): use an adapter without "
+                           f"expert or router LoRA, or ask the operator to set max_expert_lora_rank")
+
+
 def parse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout, settings, where: str, rx,
-                  max_lora_rank: int, dtype) -> dict[tuple[int, str], list[ExpertLora]]:
+                  max_lora_rank: int, dtype, knob: str = "max_lora_rank") -> dict[tuple[int, str], list[ExpertLora]]:
     """The expert LoRA of an adapter's expert tensors (take_expert_tensors), checked against its config (settings:
     adapter._Settings) and the layout: (layer, EXPERT_MODULES name or ROUTER) -> its experts, grouped by rank and
-    scale (the router: one group of "expert" 0)."""
+    scale (the router: one group of "expert" 0). max_lora_rank: the expert stacks' rank, knob the setting that
+    bounds it (named in messages)."""
     per_expert, fused, router = {}, {}, {}
     for name, t in tensors.items():
         short = name.removeprefix("base_model.model.")
@@ -106,11 +124,12 @@ def parse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout, settin
         raise AdapterError(f"{where}: DoRA (use_dora) on MoE experts is not supported (tensor "
                            f"{_first(per_expert or fused)})")
     out = {}
+    limit = (max_lora_rank, knob)
     if fused or settings.target_parameters:
-        out = _fused_experts(fused, layout, settings, where, rx, max_lora_rank, dtype)
+        out = _fused_experts(fused, layout, settings, where, rx, limit, dtype)
     elif per_expert:
-        out = _per_expert(per_expert, layout, settings, where, rx, max_lora_rank, dtype)
-    out.update(_router(router, layout, settings, where, rx, max_lora_rank, dtype))
+        out = _per_expert(per_expert, layout, settings, where, rx, limit, dtype)
+    out.update(_router(router, layout, settings, where, rx, limit, dtype))
     return out
 
 
@@ -124,6 +143,11 @@ def _check_kind(name: str, kind: str, where: str) -> None:
         raise AdapterError(f"{where}: tensor {name}: DoRA (use_dora) on MoE experts is not supported")
     if kind not in ("lora_A", "lora_B"):
         raise AdapterError(f"{where}: tensor {name}: {kind} is not supported on MoE experts (plain LoRA only)")
+
+
+def _check_rank(full: str, r: int, limit: tuple[int, str], where: str) -> None:
+    if r > limit[0]:
+        raise AdapterError(f"{where}: {full} has rank {r}, above the server's {limit[1]} {limit[0]}")
 
 
 def _check_layer(name: str, layer: int, layout: ExpertLayout, where: str) -> None:
@@ -152,7 +176,7 @@ def _pair(found: dict, what: str, where: str):
     return found["A"], found["B"]
 
 
-def _per_expert(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+def _per_expert(groups: dict, layout: ExpertLayout, s, where: str, rx, limit: tuple[int, str],
                 dtype) -> dict[tuple[int, str], list[ExpertLora]]:
     """Per-expert modules: each targeted expert projection's own pair, stacked with the experts of its rank and
     scale."""
@@ -180,8 +204,7 @@ def _per_expert(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_
             for key in keys:
                 full = layout.module_name(layer, key[2], module)
                 r, alpha = _rank_alpha(s, full, rx)
-                if r > max_lora_rank:
-                    raise AdapterError(f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+                _check_rank(full, r, limit, where)
                 (a_name, a), (b_name, b) = _pair(groups[key], full, where)
                 pairs[key[2]] = (_checked(a_name, a, (r, in_f), dtype, where), _checked(b_name, b, (out_f, r), dtype, where),
                                  r, lora_scale(alpha, r, s.use_rslora))
@@ -195,7 +218,7 @@ def _per_expert(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_
     return out
 
 
-def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, limit: tuple[int, str],
                    dtype) -> dict[tuple[int, str], list[ExpertLora]]:
     """peft's target_parameters on the fused expert tensors: each wrapper's A [E*r, in] and B [out, r*E]."""
     from loraplex.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, _checked, _rank_alpha, lora_scale
@@ -218,8 +241,7 @@ def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lo
                 raise AdapterError(f"{where}: {CONFIG_FILE} targets {full} (target_parameters) but {WEIGHTS_FILE} "
                                    f"has no lora_A / lora_B tensors for it")
             r, alpha = _rank_alpha(s, full, rx)
-            if r > max_lora_rank:
-                raise AdapterError(f"{where}: {full} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+            _check_rank(full, r, limit, where)
             (a_name, a), (b_name, b) = _pair(found, full, where)
             in_f, out_f = dims[param]
             a = _checked(a_name, a, (e * r, in_f), dtype, where).view(e, r, in_f)
@@ -233,7 +255,7 @@ def _fused_experts(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lo
     return out
 
 
-def _router(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank: int,
+def _router(groups: dict, layout: ExpertLayout, s, where: str, rx, limit: tuple[int, str],
             dtype) -> dict[tuple[int, str], list[ExpertLora]]:
     """LoRA on the router of each layer: A [r, hidden], B [E, r], whether target_parameters (gate.weight) or
     target_modules (the router module of transformers 4.x) select it."""
@@ -256,8 +278,7 @@ def _router(groups: dict, layout: ExpertLayout, s, where: str, rx, max_lora_rank
         key = (f"model.layers.{layer}.mlp.gate.weight" if layer in by_params
                else f"model.layers.{layer}.{layout.parent}.gate")
         r, alpha = _rank_alpha(s, key, rx)
-        if r > max_lora_rank:
-            raise AdapterError(f"{where}: {key} has rank {r}, above the server's max_lora_rank {max_lora_rank}")
+        _check_rank(key, r, limit, where)
         (a_name, a), (b_name, b) = _pair(found, key, where)
         a = _checked(a_name, a, (r, layout.hidden), dtype, where)
         b = _checked(b_name, b, (layout.num_experts, r), dtype, where)

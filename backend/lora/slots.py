@@ -9,13 +9,14 @@ Layout per layer and projection (see backend/kernels/reference.py):
   out_scales[layer][module] float32 [max_loras + 1, out]  DoRA's per-output scale (1.0: plain LoRA, empty
                         slots and the last row, which base rows -1 read); allocated at the first DoRA load
 
-MoE experts (decision 066), for the layers with a sparse block (which hold no dense MLP stacks):
-  xa[layer][module]     [max_loras, num_experts, max_rank, in]   module: an expert's gate/up/down_proj
-  xb[layer][module]     [max_loras, num_experts, out, max_rank]  (on the CPU a view, as b)
+MoE experts (decision 066), for the layers with a sparse block (which hold no dense MLP stacks), at their own
+rank R = max_expert_rank (EngineConfig.max_expert_lora_rank, decision 069; 0: no expert stacks at all):
+  xa[layer][module]     [max_loras, num_experts, R, in]   module: an expert's gate/up/down_proj
+  xb[layer][module]     [max_loras, num_experts, out, R]  (on the CPU a view, as b)
   xranks / xscales[layer][module]  [max_loras * num_experts]: slot s, expert e at s * num_experts + e
 so that a routed (token, expert) row is one row of a per-row gather over max_loras * num_experts stacks; and the
-router's LoRA, xa[layer]["router"] [max_loras, 1, max_rank, hidden], xb [max_loras, 1, num_experts, max_rank], a
-token's row at its slot.
+router's LoRA, xa[layer]["router"] [max_loras, 1, R, hidden], xb [max_loras, 1, num_experts, R], a token's row at
+its slot. Memory: lora/expert_rank.py's expert_stack_bytes.
 
 Stacks exist for all seven projections whether or not any adapter targets them, so the
 model never branches on shape. Memory: num_layers * max_loras * max_rank *
@@ -38,9 +39,13 @@ class LoraSlots:
     """Fixed-size stacks of LoRA A/B weights, ranks and scales, one row per adapter slot."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, int]], max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device, experts: ExpertLayout | None = None) -> None:
+                 max_rank: int, dtype: torch.dtype, device, experts: ExpertLayout | None = None,
+                 expert_rank: int | None = None) -> None:
         if max_loras <= 0 or max_rank <= 0 or num_layers <= 0:
             raise ValueError("num_layers, max_loras and max_rank must be positive")
+        expert_rank = max_rank if expert_rank is None else expert_rank
+        if not 0 <= expert_rank <= max_rank:
+            raise ValueError(f"expert_rank {expert_rank} must be in 0..max_rank {max_rank}")
         missing = [m for m in MODULES if m not in shapes]
         if missing:
             raise ValueError(f"shapes lacks modules {missing}")
@@ -66,7 +71,7 @@ class LoraSlots:
             self.a.append({m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=self.device)
                            for m, (i, _o) in dense.items()})
             self.b.append({m: self._b_stack(o) for m, (_i, o) in dense.items()})
-        self._init_experts(experts)
+        self._init_experts(experts, expert_rank if experts is not None else 0)
         # the same stacks as batched-matmul operands for the torch path: A.T [S, in, R], B.T [S, R, out], scales [S, 1, 1]
         self.a_t = [{m: a.transpose(1, 2) for m, a in layer.items()} for layer in self.a]
         self.b_t = [{m: b.transpose(1, 2) for m, b in layer.items()} for layer in self.b]
@@ -78,44 +83,46 @@ class LoraSlots:
         self.dora_slots: set[int] = set()
         self.vocab = VocabSlots(max_loras, device)  # embed_tokens / lm_head parts, sized per adapter (lora/vocab.py)
 
-    def _b_stack(self, out_features: int, *lead: int) -> torch.Tensor:
-        """A zeroed B stack [max_loras, *lead, out, max_rank]. On the CPU it is a view of B.T stored contiguous
-        ([max_loras, *lead, max_rank, out]), the layout the torch path's batched matmuls read fastest at a few
-        rows an adapter (decision 020); the CUDA kernels read [max_loras, *lead, out, max_rank] contiguous."""
-        lead = (self.max_loras, *lead)
+    def _b_stack(self, out_features: int, *lead: int, rank: int | None = None) -> torch.Tensor:
+        """A zeroed B stack [max_loras, *lead, out, rank (max_rank)]. On the CPU it is a view of B.T stored
+        contiguous ([max_loras, *lead, rank, out]), the layout the torch path's batched matmuls read fastest at a few
+        rows an adapter (decision 020); the CUDA kernels read [max_loras, *lead, out, rank] contiguous."""
+        lead, rank = (self.max_loras, *lead), self.max_rank if rank is None else rank
         if self.device.type == "cpu":
-            stored = torch.zeros(*lead, self.max_rank, out_features, dtype=self.dtype, device=self.device)
+            stored = torch.zeros(*lead, rank, out_features, dtype=self.dtype, device=self.device)
             return stored.transpose(-1, -2)
-        return torch.zeros(*lead, out_features, self.max_rank, dtype=self.dtype, device=self.device)
+        return torch.zeros(*lead, out_features, rank, dtype=self.dtype, device=self.device)
 
-    def _init_experts(self, experts: ExpertLayout | None) -> None:
-        """The expert stacks of a MoE model's sparse layers (none for a dense model)."""
-        self.experts = experts
-        n = experts.num_experts if experts is not None else 0  # a dense model: empty, 0 bytes
+    def _init_experts(self, experts: ExpertLayout | None, rank: int) -> None:
+        """The expert stacks of a MoE model's sparse layers at rank (none for a dense model, or at rank 0)."""
+        self.experts = experts  # the model's experts, whether or not the slots hold stacks for them
+        self.max_expert_rank = rank
+        stacked = experts if rank else None
+        n = stacked.num_experts if stacked is not None else 0  # no stacks: empty, 0 bytes
         self.xa: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
         self.xb: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_layers)]
         self._xranks = torch.zeros(self.num_layers, len(EXPERT_MODULES), self.max_loras, n, dtype=torch.int32,
                                    device=self.device)
         self._xscales = torch.zeros(self.num_layers, len(EXPERT_MODULES), self.max_loras, n, dtype=torch.float32,
                                     device=self.device)
-        routers = self.num_layers if experts is not None else 0
+        routers = self.num_layers if stacked is not None else 0
         self._rranks = torch.zeros(routers, self.max_loras, dtype=torch.int32, device=self.device)
         self._rscales = torch.zeros(routers, self.max_loras, dtype=torch.float32, device=self.device)
         self.expert_targets: list[dict[tuple[int, str], int]] = [{} for _ in range(self.max_loras)]  # -> rank written
         self._expert_holders: list[set[int]] = [set() for _ in range(self.num_layers)]  # slots with layer's experts
         # per (layer, module): (A [S*E, R, in], B [S*E, out, R], ranks [S*E], scales [S*E]), the per-row gather's
         self.expert_stacks: list[dict[str, tuple]] = [{} for _ in range(self.num_layers)]
-        if experts is None:
+        if stacked is None:
             return
-        for layer in experts.layers:
-            for i, (m, (in_f, out_f)) in enumerate(experts.shapes().items()):
-                a = torch.zeros(self.max_loras, n, self.max_rank, in_f, dtype=self.dtype, device=self.device)
-                b = self._b_stack(out_f, n)
+        for layer in stacked.layers:
+            for i, (m, (in_f, out_f)) in enumerate(stacked.shapes().items()):
+                a = torch.zeros(self.max_loras, n, rank, in_f, dtype=self.dtype, device=self.device)
+                b = self._b_stack(out_f, n, rank=rank)
                 self.xa[layer][m], self.xb[layer][m] = a, b
                 self.expert_stacks[layer][m] = (a.flatten(0, 1), b.flatten(0, 1), self._xranks[layer, i].view(-1),
                                                 self._xscales[layer, i].view(-1))
-            a = torch.zeros(self.max_loras, 1, self.max_rank, experts.hidden, dtype=self.dtype, device=self.device)
-            b = self._b_stack(n, 1)
+            a = torch.zeros(self.max_loras, 1, rank, stacked.hidden, dtype=self.dtype, device=self.device)
+            b = self._b_stack(n, 1, rank=rank)
             self.xa[layer][ROUTER], self.xb[layer][ROUTER] = a, b
             self.expert_stacks[layer][ROUTER] = (a.flatten(0, 1), b.flatten(0, 1), self._rranks[layer],
                                                  self._rscales[layer])
@@ -187,17 +194,17 @@ class LoraSlots:
         for (layer, module), groups in adapter.experts.items():
             if not (0 <= layer < self.num_layers and module in self.xa[layer]):
                 raise ValueError(f"adapter {adapter.name!r} adapts the experts of layer {layer} ({module}), which "
-                                 f"the slots hold no expert stacks for")
+                                 f"the slots hold no expert stacks for (max_expert_rank {self.max_expert_rank})")
             num, in_f, out_f = self.xa[layer][module].shape[1], self.xa[layer][module].shape[3], \
                 self.xb[layer][module].shape[2]
             seen: set[int] = set()
             for g in groups:
                 n, r = len(g.experts), g.rank
-                if (tuple(g.a.shape) != (n, r, in_f) or tuple(g.b.shape) != (n, out_f, r) or r > self.max_rank
+                if (tuple(g.a.shape) != (n, r, in_f) or tuple(g.b.shape) != (n, out_f, r) or r > self.max_expert_rank
                         or not all(0 <= e < num and e not in seen for e in g.experts)):
                     raise ValueError(f"adapter {adapter.name!r} layer {layer} experts' {module}: A {list(g.a.shape)} "
                                      f"/ B {list(g.b.shape)} of experts {list(g.experts)} do not fit [n, r, {in_f}] / "
-                                     f"[n, {out_f}, r], r <= {self.max_rank}, distinct experts < {num}")
+                                     f"[n, {out_f}, r], r <= max_expert_rank {self.max_expert_rank}, distinct experts < {num}")
                 seen.update(g.experts)
 
     def _write_experts(self, slot: int, adapter: LoraAdapter, pairs) -> None:
