@@ -20,6 +20,7 @@ from loraplex.kv_cache.manager import KVCacheManager
 from loraplex.kv_cache.window import common_window
 from loraplex.exceptions import AdapterError, AdapterNotFound, EngineShuttingDown, InvalidRequest, RequestCancelled
 from loraplex.lora.catalog import AdapterCatalog, AdapterVersions
+from loraplex.lora.expert_rank import expert_stack_bytes, resolve_expert_rank
 from loraplex.lora.experts import expert_layout
 from loraplex.lora.manager import AdapterManager
 from loraplex.lora.preloader import AdapterPreloader
@@ -91,16 +92,20 @@ class LLMEngine:
                                 fp16_weights=config.weight_dtype == "float16")
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
+        lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
+        experts = expert_layout(self.model.config)  # MoE: expert LoRA stacks (decisions 066, 069)
+        expert_rank = resolve_expert_rank(config.max_expert_lora_rank, experts, config.max_loras, config.max_lora_rank)
+        self.expert_lora_bytes = expert_stack_bytes(experts, self.model.num_layers, config.max_loras, expert_rank,
+                                                    lora_dtype.itemsize)  # on CUDA taken from the KV budget
         num_blocks = self._num_kv_blocks()
         # every layer's attention slides over one window shorter than max_model_len: blocks behind it are freed
         self.kv_window = common_window(self.model.family.layer_windows)  # decision 065
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_window)
         kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         shapes = module_shapes(self.model.config)
-        lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
         self.lora_slots = LoraSlots(
             self.model.num_layers, shapes, config.max_loras, config.max_lora_rank, lora_dtype, self.device,
-            experts=expert_layout(self.model.config),  # MoE: expert LoRA stacks (decision 066)
+            experts=experts, expert_rank=expert_rank,
         )
         self.lora_slots.base_weight = self.model.base_weight  # DoRA's norms at adapter load (decision 052)
         self.adapters = AdapterManager(
@@ -155,10 +160,12 @@ class LLMEngine:
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
         log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
-                 "%d torch CPU threads, %s native", config.model_dir, self.device, self.dtype,
+                 "%d torch CPU threads, %s native%s", config.model_dir, self.device, self.dtype,
                  " (fp16 weights)" if self.model.fp16_weights else "", num_blocks, config.block_size,
                  max_len, self.num_host_blocks, torch.get_num_threads(),
-                 kernels.native_threads() if self.device.type == "cpu" else "no")
+                 kernels.native_threads() if self.device.type == "cpu" else "no",
+                 f", expert LoRA stacks at rank {expert_rank} (max_expert_lora_rank {config.max_expert_lora_rank}):"
+                 f" {self.expert_lora_bytes / 2**20:.1f} MiB" if experts is not None else "")
 
     def _new_scheduler(self) -> Scheduler:
         scheduler = make_scheduler(self.config, self.kv_manager, self.adapters, self.eos_token_ids,
@@ -173,10 +180,12 @@ class LLMEngine:
         budget = self.config.kv_cache_bytes
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+            budget = int(free - total * (1 - self.config.gpu_memory_utilization)) - self.expert_lora_bytes
         blocks = budget // per_block
         if blocks < 2:
-            raise ValueError(f"KV cache budget {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+            raise ValueError(f"KV cache budget {budget} bytes holds fewer than 2 blocks of {per_block} bytes"
+                             + (f" (after {self.expert_lora_bytes} bytes of expert LoRA stacks: lower "
+                                f"max_expert_lora_rank or max_loras, decision 069)" if self.expert_lora_bytes else ""))
         return int(blocks)
 
     def _num_host_blocks(self) -> int:
