@@ -154,7 +154,8 @@ class AdapterManager:
             raise AdapterError(failed[1])
         start = time.perf_counter()
         try:
-            adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype)
+            adapter = load_peft_adapter(folder, name, self.hf_config, self.max_lora_rank, self.dtype,
+                                        max_expert_rank=self.slots.max_expert_rank)
             if adapter.magnitudes and self.slots.base_weight is not None:  # DoRA's scales here, off the loop (052)
                 adapter.dora_scales(self.slots.weight_of)
             if adapter.vocab is not None and self.slots.vocab.base is not None:  # peft's base copies, as DoRA's
