@@ -13,9 +13,6 @@ log-softmax. The dense families' adapters: attention, all-linear, rsLoRA, DoRA (
 Qwen3-MoE's: attention, LoRA on the fused experts (peft's target_parameters), all-linear with the router, and
 per-expert modules as transformers 4.x wrote them (oracle: transformers on the merged weights). A prompt of 3x the sliding window makes the windowed layers attend to part of it only. /v1/models lists
 the Phi-3 adapters multi_lora.json gives (not the one that does not fit), and a completion on one equals peft.
-
-Triton runs with --disable-auto-complete-config: otherwise it starts one more Python stub per model only to ask for
-a config the files already give in full.
 """
 
 from __future__ import annotations
@@ -122,7 +119,7 @@ def triton_server(families, demo, tmp_path_factory):
                          model_repository=lambda repo: family_repository(repo, families),
                          adapter_store=lambda store, _demo: store, env={"LORAPLEX_MODEL_DIR": ""},
                          engine_config={"block_size": 4, "num_kv_blocks": 128, "max_loras": 4, "max_lora_rank": 16},
-                         extra_args=["--disable-auto-complete-config"], ready_timeout=180.0)
+                         ready_timeout=180.0)
     t0 = time.monotonic()
     try:
         server.start_and_wait()
