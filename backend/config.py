@@ -55,7 +55,7 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
-    max_expert_lora_rank: int | str = "auto"  # MoE: rank of the expert LoRA stacks, 0 = none; auto: decision 069
+    max_expert_lora_rank: int | str = "auto"  # MoE: rank of the expert LoRA stacks, 0 = none; auto: decision 070
     multi_lora: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, for every tenant
     adapter_store: str = ""  # folder of PEFT adapter folders (<store>/<name>), served to every tenant
     adapter_store_max_bytes: int = 16 << 30  # every tenant's uploaded versions on disk together; 0 = no cap

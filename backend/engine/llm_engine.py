@@ -93,7 +93,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
         lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
-        experts = expert_layout(self.model.config)  # MoE: expert LoRA stacks (decisions 066, 069)
+        experts = expert_layout(self.model.config)  # MoE: expert LoRA stacks (decisions 066, 070)
         expert_rank = resolve_expert_rank(config.max_expert_lora_rank, experts, config.max_loras, config.max_lora_rank)
         self.expert_lora_bytes = expert_stack_bytes(experts, self.model.num_layers, config.max_loras, expert_rank,
                                                     lora_dtype.itemsize)  # on CUDA taken from the KV budget
@@ -185,7 +185,7 @@ class LLMEngine:
         if blocks < 2:
             raise ValueError(f"KV cache budget {budget} bytes holds fewer than 2 blocks of {per_block} bytes"
                              + (f" (after {self.expert_lora_bytes} bytes of expert LoRA stacks: lower "
-                                f"max_expert_lora_rank or max_loras, decision 069)" if self.expert_lora_bytes else ""))
+                                f"max_expert_lora_rank or max_loras, decision 070)" if self.expert_lora_bytes else ""))
         return int(blocks)
 
     def _num_host_blocks(self) -> int:

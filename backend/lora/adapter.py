@@ -273,7 +273,7 @@ def parse_peft_adapter(config_bytes: bytes, weights_bytes: bytes, name: str, hf_
                        dtype=torch.float32, path: str = "", max_expert_rank: int | None = None) -> LoraAdapter:
     """Validate and convert a PEFT LoRA adapter given as its two files' bytes (see load_peft_adapter).
     max_expert_rank: the largest rank of LoRA on a MoE model's experts and router (the slots' expert stacks,
-    EngineConfig.max_expert_lora_rank, decision 069); None: max_lora_rank; 0: such an adapter is refused."""
+    EngineConfig.max_expert_lora_rank, decision 070); None: max_lora_rank; 0: such an adapter is refused."""
     where = f"adapter {name!r}"
     digest = adapter_digest(config_bytes, weights_bytes)
     patterns = Patterns(where)

@@ -1,4 +1,4 @@
-"""The rank of a MoE model's expert LoRA stacks (EngineConfig.max_expert_lora_rank, decision 069), and the memory
+"""The rank of a MoE model's expert LoRA stacks (EngineConfig.max_expert_lora_rank, decision 070), and the memory
 they take, known before they are allocated.
 
 The stacks hold every slot's pair for every expert and the router at one rank (decision 066), allocated at start:

@@ -68,7 +68,7 @@ def is_expert_tensor(name: str, layout: ExpertLayout) -> bool:
 
 def refuse_experts(names, layout: ExpertLayout, settings, where: str) -> None:
     """AdapterError naming max_expert_lora_rank when an adapter's tensors (names: its safetensors header's) or its
-    target_parameters adapt the experts or the router: the server holds no expert stacks (decision 069)."""
+    target_parameters adapt the experts or the router: the server holds no expert stacks (decision 070)."""
     found = min((n for n in names if is_expert_tensor(n, layout)), default=None)
     what = f"tensor {found}" if found is not None else (
         f"target_parameters {settings.target_parameters}" if settings.target_parameters else None)

@@ -10,7 +10,7 @@ Layout per layer and projection (see backend/kernels/reference.py):
                         slots and the last row, which base rows -1 read); allocated at the first DoRA load
 
 MoE experts (decision 066), for the layers with a sparse block (which hold no dense MLP stacks), at their own
-rank R = max_expert_rank (EngineConfig.max_expert_lora_rank, decision 069; 0: no expert stacks at all):
+rank R = max_expert_rank (EngineConfig.max_expert_lora_rank, decision 070; 0: no expert stacks at all):
   xa[layer][module]     [max_loras, num_experts, R, in]   module: an expert's gate/up/down_proj
   xb[layer][module]     [max_loras, num_experts, out, R]  (on the CPU a view, as b)
   xranks / xscales[layer][module]  [max_loras * num_experts]: slot s, expert e at s * num_experts + e

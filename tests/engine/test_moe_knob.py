@@ -1,4 +1,4 @@
-"""max_expert_lora_rank (decision 069): the expert LoRA stacks sized or turned off. With them off, an adapter on the
+"""max_expert_lora_rank (decision 070): the expert LoRA stacks sized or turned off. With them off, an adapter on the
 experts or the router is refused by name before it is read into memory or takes a slot, and attention LoRA on a
 MoE model still equals peft; ``auto`` resolves to the figures of the decision record."""
 
