@@ -125,6 +125,11 @@ class LlamaModel:
         self.norm = self._norm_weight(w.pop("model.norm.weight"))
         self.embed_scale = None if fam.embed_scale is None else torch.tensor(fam.embed_scale, dtype=dtype, device=device)
         self.layers = [self._take_layer(w, i) for i in range(self.num_layers)]
+        names = sorted(n for n in w if not n.endswith("rotary_emb.inv_freq"))  # old conversions saved the buffer
+        if names:  # a tensor no step reads would be a quirk served wrong, with no error
+            raise ValueError(f"{model_dir}: {len(names)} checkpoint tensors are not used by the "
+                             f"{fam.architecture} forward (e.g. {', '.join(names[:3])}): a feature of this checkpoint "
+                             "is not implemented")
         self.ropes = {t: RotaryEmbedding(rope_settings(cfg, t), fam.rotary_dim, self.max_len, device, dtype,
                                          attention_scaling(rope_settings(cfg, t), cfg.max_position_embeddings))
                       for t in dict.fromkeys(fam.layer_rope)}
@@ -234,8 +239,8 @@ class LlamaModel:
             moe = take_moe(w, i, self.config, self.dtype, self.device)
         modules = MODULES if moe is None else MODULES[:4]
         layer = {m: w.pop(f"{p}{PARENTS[m]}.{m}.weight") for m in modules}
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            layer[m + ".bias"] = w.pop(f"{p}self_attn.{m}.bias", None)
+        for m in modules:  # q/k/v biases (Qwen2), o_proj's and the MLP's where a config sets them
+            layer[m + ".bias"] = w.pop(f"{p}{PARENTS[m]}.{m}.bias", None)
         if moe is not None:
             layer["moe"] = moe
         norms = {"input_norm": "input_layernorm"}

@@ -5,8 +5,9 @@ and each step's logprob of the chosen token equal to peft's teacher-forced log-s
 from __future__ import annotations
 
 import pytest
+import torch
 from exactness import assert_matches_oracle, run_greedy_logprobs
-from families import ADAPTERS, DENSE_FAMILIES, WINDOW, build_family
+from families import ADAPTERS, DENSE_FAMILIES, SMALL, WINDOW, build_family
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
@@ -52,3 +53,23 @@ def test_longrope_past_its_pretraining_length_is_refused_naming_the_fix(tmp_path
     model_dir, _ = build_family(tmp_path, "phi3-longrope", adapters=False)
     with pytest.raises(ValueError, match=r"original_max_position_embeddings \(256\).*max_model_len <= 256"):
         LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=512))
+
+
+def test_biases_on_every_projection_are_served_and_unknown_tensors_refused(tmp_path):
+    """A Llama with attention and MLP biases equals transformers; a checkpoint tensor the forward would not read
+    (a feature we do not implement) is refused at load, not ignored."""
+    from peft_reference import greedy_tokens
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.models.builtin.demo import build_tiny_llama
+
+    model_dir = str(build_tiny_llama(tmp_path / "biased", **{**SMALL, "attention_bias": True, "mlp_bias": True}))
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=64,
+                                    num_kv_blocks=32, block_size=4))
+    batch = {"r": ("Biases everywhere", None)}
+    requests, tokens, _ = run_greedy_logprobs(engine, batch, MAX_TOKENS)
+    assert tokens["r"] == greedy_tokens(model_dir, None, requests["r"].prompt_token_ids, MAX_TOKENS, ignore_eos=True)
+    weights = f"{model_dir}/model.safetensors"
+    save_file({**load_file(weights), "model.layers.0.mlp.shared_expert.weight": torch.zeros(4, 4)}, weights)
+    with pytest.raises(ValueError, match="1 checkpoint tensors are not used .*model.layers.0.mlp.shared_expert"):
+        LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=64))
