@@ -483,7 +483,7 @@ def test_serve_runs_the_openai_gateway_restarts_it_and_stops_it(tmp_path):
     import subprocess
 
     import openai
-    from families import build_family
+    from family_checkpoints import build_family
     from tritonserver_fixture import Launcher
 
     model_dir, adapters = build_family(tmp_path / "phi3", "phi3")

@@ -2,7 +2,7 @@
 (issue 40).
 
 One server for the module hosts one copy of lora_llm per family: each copy's config.pbtxt names its family's tiny
-checkpoint (tests/support/families.py, moe_models.py) as ``model_dir`` and serves the family's adapters through
+checkpoint (tests/support/family_checkpoints.py, moe_models.py) as ``model_dir`` and serves the family's adapters through
 multi_lora.json in its version folder, beside an entry that is another family's and does not fit. LORAPLEX_MODEL_DIR is set empty, so
 no copy is overridden by the environment. The Phi-3 copy is the one named ``lora_llm``, with ``lora_adapters`` on
 the same checkpoint, so the gateway (``loraplex-openai --model-dir`` on that checkpoint) fronts it.
@@ -27,7 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from families import ADAPTERS, WINDOW, build_family
+from family_checkpoints import ADAPTERS, WINDOW, build_family
 from helpers import run_gateway
 from moe_models import ATTENTION, EXPERT_NAMES, build_adapter, build_moe, merged_model, per_expert_adapter
 from tritonserver_fixture import DEFAULT_MODEL_REPOSITORY, demo_server

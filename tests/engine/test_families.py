@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from exactness import assert_matches_oracle, run_greedy_logprobs
-from families import ADAPTERS, DENSE_FAMILIES, SMALL, WINDOW, build_family
+from family_checkpoints import ADAPTERS, DENSE_FAMILIES, SMALL, WINDOW, build_family
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine

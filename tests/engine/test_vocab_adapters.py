@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from families import DENSE_FAMILIES, SMALL
+from family_checkpoints import DENSE_FAMILIES, SMALL
 from exactness import assert_matches_oracle, run_greedy_logprobs
 
 from loraplex.config import EngineConfig
