@@ -239,8 +239,10 @@ def test_new_requests_for_an_adapter_broken_while_resident_get_an_error(traffic_
     assert_idle(traffic_server)
     store = Path(traffic_server.env["LORAPLEX_ADAPTER_STORE"])
     garbled, deleted = VICTIMS[2:]
+    # 900 tokens: both streams still run when the second one's adapter is in (at 300 the first ended before the
+    # second's cold read finished on a loaded CI machine, so two pins were never seen at once)
     thread, first = run_in_background(traffic_server.grpc_url, [
-        StreamJob("in use", greedy(300, name), "resident") for name in (garbled, deleted)])
+        StreamJob("in use", greedy(900, name), "resident") for name in (garbled, deleted)])
     wait_until_pinned(traffic_server, 2)
     break_adapters(store, garbled, deleted)
     new = run_streams(traffic_server.grpc_url, [StreamJob("new", greedy(8, name), "resident")
