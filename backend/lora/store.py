@@ -354,20 +354,21 @@ class AdapterStore:
     # writing ---------------------------------------------------------------------------------
 
     def upload(self, tenant: Tenant, name: str, config_text: str, weights: bytes, hf_config,
-               max_lora_rank: int) -> StoredAdapter:
+               max_lora_rank: int, max_expert_rank: int | None = None) -> StoredAdapter:
         """Validate an adapter completely, then store it as the tenant's new current version of ``name``.
 
         Raises AdapterStoreError for a bad name or adapter or a quota it would exceed, StoreFull
         when the store-wide byte cap has no room; nothing on disk changes unless it succeeds
-        (except that retired versions past their grace period may be collected).
+        (except that retired versions past their grace period may be collected). ``max_expert_rank``: the
+        server's MoE expert LoRA rank (None: max_lora_rank; 0: expert and router adapters refused).
         """
         check_name(name)
         self.maybe_collect()  # whichever tenant uploads next
         return self._store_version(tenant, self._tenant_dir(tenant.name), name, config_text, weights, hf_config,
-                                   max_lora_rank)
+                                   max_lora_rank, max_expert_rank=max_expert_rank)
 
     def load_shared(self, name: str, config_text: str, weights: bytes, hf_config, max_lora_rank: int,
-                    replace: bool = False) -> StoredAdapter:
+                    replace: bool = False, max_expert_rank: int | None = None) -> StoredAdapter:
         """Validate an adapter exactly as an upload, then store it as a new version of the shared adapter ``name``
         (served to every tenant). An existing shared name (loaded, or a folder under the root) is refused with
         vLLM's text unless ``replace``; requests in flight keep the version they resolved to."""
@@ -377,7 +378,8 @@ class AdapterStore:
             raise _already_loaded(name)
         self.maybe_collect()
         return self._store_version(Tenant(SHARED_OWNER, b""), self.root / SHARED_DIR, name, config_text, weights,
-                                   hf_config, max_lora_rank, capped=False, replace=replace)
+                                   hf_config, max_lora_rank, capped=False, replace=replace,
+                                   max_expert_rank=max_expert_rank)
 
     def unload_shared(self, name: str) -> StoredAdapter:
         """Remove the shared adapter ``name`` loaded at run time (its version stays for the grace period)."""
@@ -401,7 +403,8 @@ class AdapterStore:
         return old
 
     def _store_version(self, tenant: Tenant, tdir: Path, name: str, config_text: str, weights: bytes, hf_config,
-                       max_lora_rank: int, capped: bool = True, replace: bool = True) -> StoredAdapter:
+                       max_lora_rank: int, capped: bool = True, replace: bool = True,
+                       max_expert_rank: int | None = None) -> StoredAdapter:
         """Validate, then make the adapter the current version of ``name`` in ``tdir`` (a tenant's or .shared)."""
         config_bytes, weights = self._checked_files(name, config_text, weights, tenant, hf_config, max_lora_rank)
         version = adapter_digest(config_bytes, weights)[:16]  # content-addressed: same bytes, same folder
@@ -412,7 +415,8 @@ class AdapterStore:
             self._check_count(tenant, self._usage(tdir), replacing)
             self._check_room(tenant, size, collect=True)
         try:
-            adapter = parse_peft_adapter(config_bytes, weights, name, hf_config, max_lora_rank)
+            adapter = parse_peft_adapter(config_bytes, weights, name, hf_config, max_lora_rank,
+                                         max_expert_rank=max_expert_rank)
         except AdapterError as exc:
             raise AdapterStoreError(str(exc)) from None
         if tenant.max_adapter_rank and adapter.rank > tenant.max_adapter_rank:

@@ -189,6 +189,16 @@ class TritonPythonModel:
             self._hf_config = load_hf_config(self.config.model_dir)
         return self._hf_config
 
+    def _expert_rank(self) -> int:
+        """The rank of the generation model's MoE expert stacks, as it resolves it from the same config (decision
+        070): uploads are checked against what will serve them."""
+        from loraplex.lora.expert_rank import resolve_expert_rank
+        from loraplex.lora.moe_layout import expert_layout
+
+        config = self.config
+        return resolve_expert_rank(config.max_expert_lora_rank, expert_layout(self._base_config()), config.max_loras,
+                                   config.max_lora_rank)
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -226,7 +236,7 @@ class TritonPythonModel:
 
         check_name(args["name"])  # before loading the base model's config
         result = store.upload(tenant, args["name"], args["config_text"], args["weights"], self._base_config(),
-                              self.config.max_lora_rank).to_json()
+                              self.config.max_lora_rank, self._expert_rank()).to_json()
         self._count_upload(tenant)
         return result
 
@@ -246,7 +256,8 @@ class TritonPythonModel:
             raise InvalidRequest(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                  f"adapter in place, set 'load_inplace' to True.")
         return store.load_shared(name, args["config_text"], args["weights"], self._base_config(),
-                                 self.config.max_lora_rank, replace=replace).to_json()
+                                 self.config.max_lora_rank, replace=replace,
+                                 max_expert_rank=self._expert_rank()).to_json()
 
     def _list(self, tenant: str, cursor: str = "", limit: int = MAX_PAGE, name: str | None = None) -> dict:
         """One page of the tenant's uploads and of the shared names every tenant may use, and the next cursor

@@ -157,3 +157,26 @@ def test_engine_without_expert_stacks_serves_attention_lora_and_refuses_expert_a
     assert_matches_oracle(lambda a: (model_dir, adapters[a] if a else None), batch, requests, tokens, logprobs,
                           "qwen3moe without expert stacks")
     assert engine.adapters.resident_names() == ["attn"] and engine.adapters.pinned_count() == 0
+
+
+def test_an_upload_is_checked_at_the_expert_rank_that_will_serve_it(tmp_path):
+    """The store refuses an expert adapter the server holds no stacks for, or one above its expert rank, at upload
+    (not stored, then refused on every request); attention LoRA uploads as before."""
+    from loraplex.exceptions import AdapterStoreError
+    from loraplex.lora.store import AdapterStore
+    from loraplex.tenancy.tenants import Tenant
+
+    cfg, store, tenant = qwen(), AdapterStore(tmp_path / "store"), Tenant("t", b"")
+    expert = pairs([f"{P}.0.mlp.experts.{e}.gate_proj" for e in range(4)], 4, 32, 16)
+    text = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"],
+                       "layers_to_transform": [0]})
+    with pytest.raises(AdapterStoreError, match=r"max_expert_lora_rank is 0"):
+        store.upload(tenant, "experts", text, save_safetensors(expert), cfg, 16, max_expert_rank=0)
+    with pytest.raises(AdapterStoreError, match=r"above the server's max_expert_lora_rank 2"):
+        store.upload(tenant, "experts", text, save_safetensors(expert), cfg, 16, max_expert_rank=2)
+    assert store.lookup("t", "experts") is None
+    attention = pairs([f"{P}.0.self_attn.q_proj"], 4, 32, 32)
+    text = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                       "layers_to_transform": [0]})
+    store.upload(tenant, "attention", text, save_safetensors(attention), cfg, 16, max_expert_rank=0)
+    assert store.lookup("t", "attention") is not None
