@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from loraplex import kernels
-from loraplex.kernels import cpu_native
+from loraplex.kernels import cpu_native, reference
 from loraplex.lora.backends.base import LoraPlan
 from loraplex.lora.shapes import MODULES, PARENTS, module_shapes
-from loraplex.kernels import reference
-from loraplex.models.family import CHECKPOINT_FUSED, FAMILIES as FAMILY_ARCHITECTURES, Family, family_of, rope_settings
+from loraplex.models.family import CHECKPOINT_FUSED, FAMILIES, Family, family_of, rope_settings
 from loraplex.models.loader import load_hf_config, load_safetensors
 from loraplex.models.rope import RotaryEmbedding, attention_scaling
 
@@ -106,7 +105,7 @@ class LlamaModel:
         self.eps = cfg.rms_norm_eps
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len or cfg.max_position_embeddings
-        known = any(a in FAMILY_ARCHITECTURES for a in (getattr(cfg, "architectures", None) or []))
+        known = any(a in FAMILIES for a in (getattr(cfg, "architectures", None) or []))
         fam = family_of(cfg, self.head_dim) if known else _llama_family(cfg, self.head_dim)
         # a window no shorter than the longest sequence changes nothing: full attention keeps the fast paths
         windows = tuple(w if w is not None and w < self.max_len else None for w in fam.layer_windows)
@@ -130,9 +129,9 @@ class LlamaModel:
             raise ValueError(f"{model_dir}: {len(names)} checkpoint tensors are not used by the "
                              f"{fam.architecture} forward (e.g. {', '.join(names[:3])}): a feature of this checkpoint "
                              "is not implemented")
-        self.ropes = {t: RotaryEmbedding(rope_settings(cfg, t), fam.rotary_dim, self.max_len, device, dtype,
-                                         attention_scaling(rope_settings(cfg, t), cfg.max_position_embeddings))
-                      for t in dict.fromkeys(fam.layer_rope)}
+        settings = {t: rope_settings(cfg, t) for t in fam.layer_rope}  # one rotary table per layer type
+        self.ropes = {t: RotaryEmbedding(s, fam.rotary_dim, self.max_len, device, dtype,
+                                         attention_scaling(s, cfg.max_position_embeddings)) for t, s in settings.items()}
         self.rope = self.ropes[fam.layer_rope[0]]
         self.fp16_weights = fp16_weights
         self.packed: list[dict] | None = None  # per layer: module or FUSED name -> kernels.linear_pack
