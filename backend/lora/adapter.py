@@ -587,17 +587,7 @@ def _is_targeted(s: _Settings, key: str, rx: Patterns) -> bool:
         return True
     if not any(key.endswith("." + t) for t in tm):
         return False
-    if s.layers_to_transform is None:
-        return True
-    if s.layers_pattern is None:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        match = None
-        for pattern in s.layers_pattern:
-            match = rx.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
-            if match:
-                break
-    return match is not None and int(match.group("idx")) in s.layers_to_transform
+    return rx.in_layers(s.layers_to_transform, s.layers_pattern, key)
 
 
 def _rank_alpha(s: _Settings, key: str, rx: Patterns) -> tuple[int, float]:

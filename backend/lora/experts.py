@@ -340,14 +340,4 @@ class Targets:
             return True
         if not suffixes & self.targets:
             return False
-        if s.layers_to_transform is None:
-            return True
-        if s.layers_pattern is None:
-            found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-        else:
-            found = None
-            for pattern in s.layers_pattern:
-                found = rx.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
-                if found:
-                    break
-        return found is not None and int(found.group("idx")) in s.layers_to_transform
+        return rx.in_layers(s.layers_to_transform, s.layers_pattern, key)

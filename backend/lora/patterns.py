@@ -162,3 +162,17 @@ class Patterns:
     def match(self, field: str, pattern: str, key: str):
         """re.match(pattern, key), bounded by the deadline."""
         return self._run(field, pattern, "match", key)
+
+    def in_layers(self, layers_to_transform: list[int] | None, layers_pattern: list[str] | None, key: str) -> bool:
+        """peft's layers_to_transform check for one full module name (layers_pattern: where the index sits)."""
+        if layers_to_transform is None:
+            return True
+        if layers_pattern is None:
+            found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            found = None
+            for pattern in layers_pattern:
+                found = self.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+                if found:
+                    break
+        return found is not None and int(found.group("idx")) in layers_to_transform
