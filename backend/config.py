@@ -24,7 +24,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 << 20  # CPU pool size; on CUDA see gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int = 0  # if > 0, overrides the byte budget
-    max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
+    max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings (longrope: its pretraining length)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_n: int = 16  # largest `n` (samples per request) accepted; also bounded by max_num_seqs

@@ -33,6 +33,7 @@ from loraplex.engine.metrics import TenantLabels, Values, per_label
 from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
+from loraplex.models.family import default_max_len
 from loraplex.models.loader import load_hf_config
 from loraplex.engine.output_processor import ErrorEvent, OutputProcessor
 from loraplex.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SeqStatus
@@ -87,7 +88,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             kernels.set_native_threads(native_cpu_threads(config.native_threads))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
-        max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
+        max_len = min(config.max_model_len or default_max_len(hf_config), hf_config.max_position_embeddings)
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
                                 fp16_weights=config.weight_dtype == "float16")
         self.max_model_len = max_len

@@ -114,3 +114,12 @@ def family_of(config, head_dim: int) -> Family:
         rotary_dim=int(head_dim * partial),
         moe=arch in MOE,
     )
+
+
+def default_max_len(config) -> int:
+    """max_model_len when none is set: max_position_embeddings, or longrope's pretraining length (past it the
+    rotary frequencies change, which we refuse: models.rope.check_length)."""
+    settings = rope_settings(config, (getattr(config, "layer_types", None) or ["full_attention"])[0])
+    if (settings.get("rope_type") or settings.get("type")) == "longrope":
+        return min(int(settings["original_max_position_embeddings"]), int(config.max_position_embeddings))
+    return int(config.max_position_embeddings)

@@ -47,12 +47,14 @@ def test_multi_lora_fitting_takes_every_adapter_of_the_family(family):
     assert fitting_adapters(adapters, model_dir) == adapters, name
 
 
-def test_longrope_past_its_pretraining_length_is_refused_naming_the_fix(tmp_path):
+def test_longrope_past_its_pretraining_length_is_refused_naming_the_fix_and_not_the_default(tmp_path):
     """transformers moves every position to the long factors once a sequence passes the pretraining length, which
     a cache of keys rotated earlier cannot follow: refused, not served wrong."""
     model_dir, _ = build_family(tmp_path, "phi3-longrope", adapters=False)
     with pytest.raises(ValueError, match=r"original_max_position_embeddings \(256\).*max_model_len <= 256"):
         LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=512))
+    # unset, max_model_len is the pretraining length, not max_position_embeddings (1024)
+    assert LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32")).max_model_len == 256
 
 
 def test_biases_on_every_projection_are_served_and_unknown_tensors_refused(tmp_path):
