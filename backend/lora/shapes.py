@@ -1,4 +1,4 @@
-"""Which projections of a LLaMA-family layer a LoRA adapter may target, and their shapes."""
+"""Which projections of a decoder layer a LoRA adapter may target, and their shapes."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def head_dim(hf_config) -> int:
 
 
 def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each targetable projection for a LLaMA-family config."""
+    """(in_features, out_features) of each targetable projection for a config of any supported family."""
     hidden = int(hf_config.hidden_size)
     inter = int(hf_config.intermediate_size)
     heads = int(hf_config.num_attention_heads)
