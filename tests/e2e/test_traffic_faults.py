@@ -130,16 +130,24 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
         problem = stream_problem(outcomes[i], max_tokens, tokenizer, refs[prompt, lora][:max_tokens])
         assert problem is None, (i, prompt, lora, problem)
     cancels = [(job, out) for job, out in zip(grpc_jobs, outcomes) if job.cancel_after is not None]
+    # a client thread starved of the CPU may send its cancel after the request ended: that one ended once, whole
+    raced = [job for job, out in cancels if out.final_count == 1]
     for job, out in cancels:
-        assert out.cancelled and out.final_count == 0 and out.error is None
-        assert out.responses >= job.cancel_after and out.num_output_tokens < LONG
+        assert out.cancelled and out.error is None
+        if out.final_count:
+            assert out.num_output_tokens == LONG, out
+        else:
+            assert out.responses >= job.cancel_after and out.num_output_tokens < LONG
+    assert len(raced) <= len(cancels) // 10, f"{len(raced)} of {len(cancels)} cancels landed after their request ended"
     assert len(seen) == len(http_closes) and all(want == got for want, got in seen)
     assert_idle(traffic_server)
     # every request the model saw ended once: completed ones with `length`, cancelled ones with `abort`;
     # a cancel before the first response may reach Triton before the model does (then the model never sees it)
-    assert wait_for_metric(traffic_server, "loraplex_request_finished_total", float(len(expected)),
-                           tenant=CANCEL_TENANT, finish_reason="length") == len(expected)
-    started = sum(1 for job, _ in cancels if job.cancel_after) + sum(1 for _, _, e in http_closes if e)
+    finished = len(expected) + len(raced)
+    assert wait_for_metric(traffic_server, "loraplex_request_finished_total", float(finished),
+                           tenant=CANCEL_TENANT, finish_reason="length") == finished
+    started = (sum(1 for job, _ in cancels if job.cancel_after) - sum(1 for job in raced if job.cancel_after)
+               + sum(1 for _, _, e in http_closes if e))
     aborted = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="abort")
     assert started <= aborted <= len(cancelled)
     errors = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="error")
