@@ -93,7 +93,7 @@ def hostile_outcome(outs: list) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / ".cache" / "smollm2" / "model"),
-                    help="a LLaMA-family checkpoint (default: SmolLM2 as `make smollm2` converts it)")
+                    help="a checkpoint of a supported family (default: SmolLM2 as `make smollm2` converts it)")
     ap.add_argument("--n", type=int, default=4, help="samples of the hostile request")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens of the neighbour")
     ap.add_argument("--hostile-tokens", type=int, default=1024, help="max_tokens of the hostile request")

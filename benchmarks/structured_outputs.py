@@ -118,7 +118,7 @@ def compile_times(engine: LLMEngine, compiles: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / ".cache" / "smollm2" / "model"),
-                    help="a LLaMA-family checkpoint (default: SmolLM2 as `make smollm2` converts it)")
+                    help="a checkpoint of a supported family (default: SmolLM2 as `make smollm2` converts it)")
     ap.add_argument("--streams", type=int, default=16, help="sequences in the batch; half constrained in 'mixed'")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens every sequence generates")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each (alternating); the best is reported")

@@ -2,18 +2,7 @@
 deltas (one per token), at n and 2n tokens. The thread serves every tenant, so its per-token work is constant."""
 
 from cost_harness import assert_linear
-
-
-class _Pb:
-    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-
-    class Tensor:
-        def __init__(self, name, array):
-            self.name, self.array = name, array
-
-    class InferenceResponse:
-        def __init__(self, output_tensors, error=None):
-            self.tensors = {t.name: t.array for t in output_tensors}
+from fake_pb_utils import FakePb
 
 
 class _Sender:
@@ -35,7 +24,7 @@ def long_non_streamed_output(n: int):
                 for i in range(samples)] for s in range(steps)]
 
     def run():
-        responder = Responder(_Pb, abort=lambda _: None, decode_token=str)
+        responder = Responder(FakePb, abort=lambda _: None, decode_token=str)
         sender = _Sender()
         responder.register("r", sender, False, "prompt", True, dict.fromkeys(RETURN_FLAGS, False), samples)
         for step in outputs:

@@ -2,27 +2,12 @@
 except its first and its final one; every token still arrives once, in order (no server: fake senders)."""
 
 import pytest
+from fake_pb_utils import FINAL, FakePb
 
 from loraplex.config import EngineConfig
 from loraplex.engine.request import RequestOutput
 from loraplex.triton.parsing import RETURN_FLAGS
 from loraplex.triton.responder import Responder
-
-FINAL = 1
-
-
-class FakePb:
-    TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
-
-    class Tensor:
-        def __init__(self, name, array):
-            self.name, self.array = name, array
-
-    class InferenceResponse:
-        def __init__(self, output_tensors, error=None):
-            self.tensors = {t.name: t.array for t in output_tensors}
-            self.error = error
-
 
 class Sender:
     """Records each response as (text, output token count, final)."""
