@@ -118,15 +118,14 @@ class ModelRunner:
                 if graphed:
                     hidden = self.graphs.run(step, lora)
                 else:
-                    hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora,
-                                                *(() if vocab is None else (vocab,)))
+                    hidden = self.model.forward(self._tensor(step.input_ids), attn, self.kv_cache, lora, vocab)
                 if not sample_seqs:
                     return RunnerOutput([None] * rows, [None] * rows, [None] * rows, errors)
                 if seqs is batch.seqs and step.is_decode and hidden.is_contiguous():
                     picked = hidden  # every row sampled once, in order: the index would copy it unchanged
                 else:
                     picked = hidden[self._tensor(sample_rows)]
-                logits = self.model.logits(picked, self._logits_out(len(picked)), *(() if vocab is None else (vocab,)))
+                logits = self.model.logits(picked, self._logits_out(len(picked)), vocab)
             if self._finite_on_device:  # no sync before the sampled ids: see _zero_non_finite
                 logits, row_finite = _zero_non_finite(logits)
                 greedy = logits.argmax(dim=-1)  # not argmax_rows: its finite check reads a value back
