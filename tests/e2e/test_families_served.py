@@ -29,16 +29,18 @@ import pytest
 import torch
 from family_checkpoints import ADAPTERS, WINDOW, build_family
 from helpers import run_gateway
-from moe_models import ATTENTION, EXPERT_NAMES, build_adapter, build_moe, merged_model, per_expert_adapter
+from moe_models import ATTENTION, EXPERT_NAMES, MOE_FAMILIES, build_adapter, build_moe, merged_model, per_expert_adapter
 from tritonserver_fixture import DEFAULT_MODEL_REPOSITORY, demo_server
 
 from loraplex.clients.generate import stream_generate
 
 # Soft-capping, sandwich norms, GeGLU (gemma2); q/k norms, local/global windows and rotary bases, tied embeddings
 # (gemma3); fused projections and partial rotary (phi3); q/k norms, head_dim decoupled from hidden / heads, top-k
-# routing with norm_topk_prob, a dense layer among the sparse ones (qwen3moe). Four lora_llm stubs: each costs ~4 s
-# of CPU to start.
-FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3moe")
+# routing with norm_topk_prob, a dense layer among the sparse ones (qwen3moe); q/k norms and tied embeddings
+# (qwen3); windows on every layer, blocks behind them freed (mistral-window) and past max_window_layers
+# (qwen2-window); Mixtral's experts (mixtral). Each lora_llm stub costs ~4 s of CPU to start.
+FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3", "mistral-window", "qwen2-window", "qwen3moe", "mixtral")
+MOE = ("qwen3moe", "mixtral")
 GATEWAY_FAMILY = "phi3"  # served as lora_llm, behind the gateway
 SERVED_NAME = "phi3-tiny"  # the gateway's id of its base model
 MISFIT = "misfit"  # in each copy's multi_lora.json: an adapter of another family, on modules this one lacks
@@ -82,7 +84,7 @@ def dense_family(root: Path, name: str) -> Family:
 def moe_family(root: Path, name: str) -> Family:
     model_dir = build_moe(root, name)
     root = root / name
-    experts = list(EXPERT_NAMES["qwen3_moe"])
+    experts = list(EXPERT_NAMES[MOE_FAMILIES[name]["model_type"]])
     adapters = {"attn": build_adapter(model_dir, root / "attn", 8, 16, 11, ATTENTION),
                 # target_modules on the experts: peft (transformers 5) saves them as target_parameters
                 "experts": build_adapter(model_dir, root / "experts", 4, 8, 12, ["q_proj", *experts]),
@@ -110,7 +112,7 @@ def family_repository(repo: Path, families: dict[str, Family]) -> Path:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("families")
-    return {name: (moe_family if name.endswith("moe") else dense_family)(root, name) for name in FAMILIES}
+    return {name: (moe_family if name in MOE else dense_family)(root, name) for name in FAMILIES}
 
 
 @pytest.fixture(scope="module")
