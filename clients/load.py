@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import queue
+import threading
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -93,7 +94,7 @@ class _Stream:
 
     def __init__(self, grpcclient, url: str, job: StreamJob, events: queue.SimpleQueue, model: str):
         self.job, self.events, self.outcome = job, events, StreamOutcome()
-        self.ended = False
+        self.ended = self.closing = False
         self.client = grpcclient.InferenceServerClient(url)
         headers = {"x-tenant-id": job.tenant} if job.tenant else None
         try:
@@ -135,17 +136,33 @@ def run_streams(url: str, jobs: list[StreamJob], timeout: float = 1800.0,
     import tritonclient.grpc as grpcclient
 
     events: queue.SimpleQueue = queue.SimpleQueue()
-    streams = [_Stream(grpcclient, url, job, events, model) for job in jobs]
-    open_count = len(streams)
+    streams: list[_Stream] = []
+
+    def start_all() -> None:  # beside the loop below, so an early stream's cancel does not wait for the last start
+        streams.extend(_Stream(grpcclient, url, job, events, model) for job in jobs)
+
+    starter = threading.Thread(target=start_all, daemon=True)
+    starter.start()
+    open_count = len(jobs)
     deadline = time.monotonic() + timeout
+    cancellers: list[threading.Thread] = []
     while open_count:
         try:
             kind, stream = events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             break
-        if not stream.ended:
-            stream.close(cancel=kind == "cancel")
-            open_count -= 1
+        if stream.ended or stream.closing:
+            continue
+        open_count -= 1
+        if kind == "cancel":  # on its own thread: a cancel must not wait behind the closes of finished streams
+            stream.closing = True
+            cancellers.append(threading.Thread(target=stream.close, args=(True,), daemon=True))
+            cancellers[-1].start()
+        else:
+            stream.close()
+    starter.join()
+    for thread in cancellers:
+        thread.join()
     for stream in streams:
         if not stream.ended:
             stream.outcome.error = f"no final response within {timeout:.0f} s"

@@ -130,7 +130,7 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
         problem = stream_problem(outcomes[i], max_tokens, tokenizer, refs[prompt, lora][:max_tokens])
         assert problem is None, (i, prompt, lora, problem)
     cancels = [(job, out) for job, out in zip(grpc_jobs, outcomes) if job.cancel_after is not None]
-    # a client thread starved of the CPU may send its cancel after the request ended: that one ended once, whole
+    # a cancel that reaches the server after its request ended (a starved client) leaves it ended once, whole
     raced = [job for job, out in cancels if out.final_count == 1]
     for job, out in cancels:
         assert out.cancelled and out.error is None
