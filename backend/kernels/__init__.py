@@ -101,11 +101,33 @@ def linear_pack(weight, bias=None, half: bool = True):
     return reference.fp16_linear_pack(weight, bias)
 
 
+def _int8_args(qweight, scale, bias) -> None:
+    """ValueError naming the argument of linear_pack_int8 that is not what it takes."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.device.type != "cpu":
+        raise ValueError(f"linear_pack_int8: qweight must be a 2-D int8 CPU tensor, not {qweight.dtype} "
+                         f"{tuple(qweight.shape)} on {qweight.device}")
+    n = qweight.shape[0]
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is not None and (not t.is_floating_point() or tuple(t.shape) != (n,) or t.device.type != "cpu"):
+            raise ValueError(f"linear_pack_int8: {name} must be a floating CPU tensor of shape ({n},), not "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def linear_pack_int8(qweight, scale, bias=None):
+    """An int8 linear layer for packed_linear: W = qweight * scale[:, None] (qweight int8 [N, K], per-output-channel
+    scale [N], symmetric), bias [N] or None. Fused projections are row-concatenations of qweight and scale."""
+    _int8_args(qweight, scale, bias)
+    return reference.int8_linear_pack(qweight, scale, bias)
+
+
 def packed_linear(x, packed, out=None):
-    """x @ W.T + b [M, N] in fp32 with W from linear_pack (each weight read as its stored value): the GEMM its
-    packing was made for; the native one writes into `out` when given."""
+    """x @ W.T + b [M, N] in fp32 with W from linear_pack or linear_pack_int8 (each weight read as its stored
+    value): the GEMM its packing was made for; into `out` (contiguous fp32 [M, N]) when given (the fp16 FBGEMM
+    packing ignores it)."""
     if isinstance(packed, cpu_native.Panels):
         return cpu_native.packed_linear(x, packed, out)
+    if isinstance(packed, reference.Int8Linear):
+        return reference.int8_linear(x, packed, out)
     return reference.fp16_linear(x, packed)
 
 
@@ -162,6 +184,7 @@ __all__ = [
     "check_model",
     "copy_blocks",
     "linear_pack",
+    "linear_pack_int8",
     "native_layer_ops",
     "native_panels",
     "native_threads",

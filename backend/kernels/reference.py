@@ -33,6 +33,7 @@ in the order of its eager_attention_forward).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -213,6 +214,39 @@ def fp16_linear_pack(weight, bias=None):
 def fp16_linear(x, packed):
     """x @ W.T + b with W packed by fp16_linear_pack: each weight read as its fp16 value, products summed in fp32."""
     return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+class Int8Linear(NamedTuple):
+    """An int8 linear layer for int8_linear: W = qweight * scale[:, None] (per output channel), bias or None."""
+
+    qweight: torch.Tensor  # int8 [N, K], contiguous
+    scale: torch.Tensor  # fp32 [N]
+    bias: torch.Tensor | None  # fp32 [N]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+
+def int8_linear_pack(qweight, scale, bias=None) -> Int8Linear:
+    """qweight int8 [N, K] with per-output-channel scales [N] (and a bias [N]) for int8_linear."""
+    return Int8Linear(qweight.contiguous(), scale.float().contiguous(), None if bias is None else bias.float())
+
+
+def int8_linear(x, packed: Int8Linear, out=None):
+    """x [M, K] fp32 @ (qweight * scale[:, None]).T + bias in fp32, the weights kept in int8 (torch's
+    weight-only int8 GEMM)."""
+    y = torch._weight_int8pack_mm(x.float().contiguous(), packed.qweight, packed.scale)
+    if packed.bias is not None:
+        y += packed.bias
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
 
 
 def add_rms_norm(x, delta, weight, eps):
