@@ -1,0 +1,109 @@
+"""Prefill-sized GEMMs on the CPU: the native packed GEMM (fp16 and fp32 panels, kernels.packed_linear) against
+torch's own: fp32 (MKL), fp32 with oneDNN's bf16 math mode (AMX where the CPU has it: fp32 in and out, inputs
+rounded to bf16, fp32 sums), and bf16 in and out.
+
+    python benchmarks/prefill_gemm.py [--rows 16,64,256,1024,2048] [--threads 1,2] [--shapes qkv,o,gate_up,down]
+        [--repeats 5] [--json PATH]
+
+Shapes are SmolLM2-135M's projections (hidden 576, intermediate 1536, q/k/v fused 576 + 2 * 192, vocabulary
+49,152); each figure is the best of --repeats timed calls (GFLOP/s = 2 * M * N * K / time). The candidates take
+turns within each repeat, so a slower moment of a shared machine hits them alike. The ISA oneDNN picked is
+printed (run with ONEDNN_VERBOSE=1 to see each call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex import kernels
+from loraplex.kernels import cpu_native
+
+HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152
+# name -> (N outputs, K inputs)
+SHAPES = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+          "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB, HIDDEN)}
+
+
+def fp32_bf16_math(x, w):
+    """fp32 in and out, oneDNN's bf16 math mode (AMX/AVX-512 BF16 where present)."""
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+
+
+def candidates(n: int, k: int, half_panels, f32_panels, w32: torch.Tensor, w16: torch.Tensor) -> dict:
+    """name -> f(x fp32) of the one projection."""
+    out = {}
+    if half_panels is not None:
+        out["ours fp16 panels"] = lambda x: kernels.packed_linear(x, half_panels)
+        out["ours fp32 panels"] = lambda x: kernels.packed_linear(x, f32_panels)
+    out["torch fp32"] = lambda x: F.linear(x, w32)
+    out["torch fp32, bf16 math"] = lambda x: fp32_bf16_math(x, w32)
+    out["torch bf16 (x cast in, y cast out)"] = lambda x: F.linear(x.to(torch.bfloat16), w16).float()
+    return out
+
+
+def bench(fn, x, repeats: int) -> float:
+    """Seconds of one call, best of repeats (after a warm-up call)."""
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--rows", default="16,32,64,128,256,512,1024,2048", help="comma-separated M (tokens)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (torch's and the native GEMM's)")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per candidate; the best counts")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN "
+          f"{torch.backends.mkldnn.is_available()}, AMX tiles {torch.cpu._is_amx_tile_supported()}, "
+          f"AVX-512 BF16 {torch.cpu._is_avx512_bf16_supported()}, native panels {cpu_native.panels_native()}")
+    results = []
+    torch.manual_seed(0)
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        kernels.set_native_threads(threads)
+        for shape in args.shapes.split(","):
+            n, k = SHAPES[shape]
+            w32 = torch.randn(n, k) * k**-0.5
+            panels = (kernels.linear_pack(w32, half=True), kernels.linear_pack(w32, half=False)) \
+                if cpu_native.panels_native() else (None, None)
+            fns = candidates(n, k, *panels, w32, w32.to(torch.bfloat16))
+            print(f"\n{shape} (N {n}, K {k}), {threads} thread(s): GFLOP/s, best of {args.repeats}")
+            print(f"{'M':>6}  " + "  ".join(f"{name:>24}" for name in fns))
+            for m in rows:
+                x = torch.randn(m, k)
+                best = {name: float("inf") for name in fns}
+                for _ in range(args.repeats):  # the candidates take turns
+                    for name, fn in fns.items():
+                        best[name] = min(best[name], bench(fn, x, 1))
+                flops = 2 * m * n * k
+                print(f"{m:>6}  " + "  ".join(f"{flops / best[name] / 1e9:>24.1f}" for name in fns), flush=True)
+                results.append({"threads": threads, "shape": shape, "n": n, "k": k, "m": m,
+                                "seconds": best, "gflops": {name: flops / s / 1e9 for name, s in best.items()}})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
