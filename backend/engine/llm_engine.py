@@ -29,7 +29,7 @@ from loraplex.lora.slots import LoraSlots
 from loraplex.lora.store import AdapterStore
 from loraplex.engine.constraints import ConstraintCompiler, new_matcher
 from loraplex.engine.inbox import Abort, Add, FinalMade, Message, OutputFailed, StopSample
-from loraplex.engine.metrics import TenantLabels, Values, per_label
+from loraplex.engine.metrics import TenantLabels, Values, kv_values, lora_info, per_label
 from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
@@ -205,7 +205,8 @@ class LLMEngine:
         """The engine's snapshot for metrics: its loop-owned gauges and counters, read on the loop thread
         (plain reads and dict copies, no IPC)."""
         kv, sched, adapters, stats = self.kv_manager, self.scheduler, self.adapters, self.stats
-        values: Values = {("kv_cache_blocks", (state,)): n for state, n in kv.usage().items()}
+        usage = kv.usage()
+        values: Values = {("kv_cache_blocks", (state,)): n for state, n in usage.items()}
         values.update({
             ("num_sequences", ("running",)): len(sched.running),
             ("num_sequences", ("waiting",)): len(sched.waiting),
@@ -232,13 +233,19 @@ class LLMEngine:
             ("grammar_match_seconds_total", self.runner.grammar_seconds),
         ):
             per_label(values, name, dict(counts))
-        values.update(self._adapters_waiting())
+        waiting = [seq.request for seq in sched.waiting.sequences()]
+        values.update(self._adapters_waiting(waiting))
+        values.update(kv_values(usage, kv.num_usable_blocks, self.config.block_size))
+        queued = waiting + [seq.request for seq in sched.swapped] + list(self._loading.values()) \
+            + [message.request for message in list(self._inbox) if isinstance(message, Add)]
+        values.update(lora_info([seq.request for seq in sched.running], queued, self.config.max_loras,
+                                self.tenant_labels))
         return values
 
-    def _adapters_waiting(self) -> Values:
+    def _adapters_waiting(self, waiting: list[Request]) -> Values:
         """Distinct adapters that waiting sequences need and no current slot holds, by the tier they are in."""
         adapters = self.adapters
-        wanted = {seq.request.adapter_key for seq in self.scheduler.waiting.sequences() if seq.request.adapter_key}
+        wanted = {request.adapter_key for request in waiting if request.adapter_key}
         on_host = set(adapters.host_names())
         cold = [name for name in wanted if not adapters.is_resident(name)]
         host = sum(1 for name in cold if name in on_host)

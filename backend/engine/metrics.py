@@ -16,6 +16,8 @@ from dataclasses import dataclass
 PREFIX = "loraplex_"
 OTHER_TENANTS = "other"
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+INFO = "info"  # a gauge whose labels carry the state: one current label set, its value the unix time it became current
+MAX_WAITING_ADAPTER_NAMES = 64  # names waiting_lora_adapters lists at most (never fewer than max_loras)
 
 # bucket upper bounds (seconds, or counts); vLLM's where vllm_backend has the same metric
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -94,6 +96,16 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
     Family("step_host_seconds", HISTOGRAM, (),
            "Host time of a step outside the model runner (inbox, scheduling, update, detokenization, outputs)",
            HOST_SECONDS_BUCKETS),
+    # the model-server protocol of the Gateway API Inference Extension's endpoint picker (decision 076)
+    Family("num_requests_waiting", GAUGE, (), "Requests accepted and not started yet, all tenants together"),
+    Family("num_requests_running", GAUGE, (), "Requests started and not ended, all tenants together"),
+    Family("kv_cache_usage_ratio", GAUGE, (),
+           "Fraction of the KV cache's blocks held by sequences, 0 to 1 (blocks that only cache a prefix are free)"),
+    Family("lora_requests_info", INFO, ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+           "Adapters of running and of waiting requests (comma-separated) and the device slots (max_lora); "
+           "the value is the unix time this label set became current"),
+    Family("cache_config_info", GAUGE, ("block_size", "num_gpu_blocks"),
+           "The KV cache's block size in tokens and its number of blocks (value 1)"),
 )
 UPLOADS = Family("adapter_uploads_total", COUNTER, T, "Adapter versions uploaded, per tenant (model lora_adapters)")
 
@@ -106,6 +118,13 @@ EXPORTED_METRICS = frozenset(PREFIX + f.name for f in (*FAMILIES, UPLOADS))
 def hashed_tenant(name: str, salt: str = "") -> str:
     """A stable label for a tenant that does not show its name: "t" and 12 hex digits of sha256(salt, name)."""
     return "t" + hashlib.sha256(f"{len(salt)}:{salt}:{name}".encode()).hexdigest()[:12]
+
+
+def hashed_adapter(tenant: str, name: str, salt: str = "") -> str:
+    """A stable stand-in for a tenant's own adapter name: "#" and 12 hex digits of sha256(salt, tenant, name)
+    ('#' is in no adapter name a client can send, so no request's model matches it)."""
+    text = f"adapter:{len(salt)}:{salt}:{len(tenant)}:{tenant}:{name}"
+    return "#" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 class TenantLabels:
@@ -132,6 +151,14 @@ class TenantLabels:
                 self._seen.add(tenant)
         return hashed_tenant(tenant, self.salt) if self.hashed else tenant
 
+    def adapter(self, request) -> str:
+        """The name the LoRA-info gauge shows for a request's adapter: the `lora_name` it sent (what the endpoint
+        picker matches a request's `model` against); with hashed labels, a tenant's own upload as hashed_adapter."""
+        name = request.params.lora_name
+        if self.hashed and (request.adapter_key or "").startswith(request.tenant + "/"):  # catalog.tenant_key
+            return hashed_adapter(request.tenant, name, self.salt)
+        return name
+
 
 Values = dict[tuple[str, tuple], float]  # (family name, its label values) -> value
 
@@ -142,12 +169,29 @@ def per_label(values: Values, name: str, counts: dict) -> None:
         values[(name, key if isinstance(key, tuple) else (key,))] = n
 
 
+def lora_info(running, waiting, max_loras: int, labels: TenantLabels) -> Values:
+    """The LoRA-info gauge's label set: the distinct adapters of the `running` and of the `waiting` requests
+    (sorted, comma-separated; waiting ones cut at max(MAX_WAITING_ADAPTER_NAMES, max_loras)) and max_lora."""
+    shown = labels.adapter
+    names = sorted({shown(r) for r in running if r.params.lora_name})
+    queued = sorted({shown(r) for r in waiting if r.params.lora_name})[:max(MAX_WAITING_ADAPTER_NAMES, max_loras)]
+    return {("lora_requests_info", (str(max_loras), ",".join(names), ",".join(queued))): 0.0}
+
+
+def kv_values(usage: dict[str, int], usable_blocks: int, block_size: int) -> Values:
+    """The KV cache's protocol gauges: the fraction of usable blocks in use, and the cache's shape."""
+    return {("kv_cache_usage_ratio", ()): usage["used"] / usable_blocks if usable_blocks else 0.0,
+            ("cache_config_info", (str(block_size), str(usable_blocks))): 1}
+
+
 def live_values(stats) -> Values:
     """What other threads than the loop change too (acceptances, refusals): read by the publisher itself."""
     values: Values = {}
     running, waiting = stats.requests_by_state()
     per_label(values, "requests_running", running)
     per_label(values, "requests_waiting", waiting)
+    values[("num_requests_running", ())] = sum(running.values())
+    values[("num_requests_waiting", ())] = sum(waiting.values())
     per_label(values, "request_failure_total", stats.failures())
     values[("tenants_file_reload_failures_total", ())] = stats.tenants_file_reload_failures
     return values

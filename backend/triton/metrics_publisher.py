@@ -5,7 +5,9 @@ engine loop never makes one: after a step it hands over a snapshot of its gauges
 counters (`metrics.capture`, plain reads), at most every `CAPTURE_SECONDS` and whenever
 it goes idle, and histogram observations wait in `EngineStats.observations`. The
 publisher thread sends what changed: a gauge when its value moved, a counter by its
-delta, one `observe` per observation (Triton 2.51's native HISTOGRAM kind).
+delta, one `observe` per observation (Triton 2.51's native HISTOGRAM kind). An info gauge (the
+LoRA-info gauge) shows its current label set with the unix time it became current, as vLLM's does;
+a series Triton holds lives as long as its family, so the family is made anew past MAX_INFO_SERIES.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import logging
 import threading
 import time
 
-from loraplex.engine.metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, PREFIX, Family, Values, live_values
+from loraplex.engine.metrics import COUNTER, FAMILIES, GAUGE, HISTOGRAM, INFO, PREFIX, Family, Values, live_values
 
 log = logging.getLogger("loraplex.engine.metrics")
 
 CAPTURE_SECONDS = 0.05  # the loop hands over a snapshot at most this often while it has work
 REFRESH_SECONDS = 1.0  # the publisher re-reads the values other threads change at least this often
+MAX_INFO_SERIES = 16  # label sets an info family keeps before it is made anew (Triton drops a series with its family)
 
 
 def metrics_enabled(model_config: dict) -> bool:
@@ -64,14 +67,19 @@ class TritonMetrics:
     """The pb_utils families of `families` and their metrics; publishes values and observations."""
 
     def __init__(self, pb_utils, model: str, version: str, families: tuple[Family, ...] = FAMILIES):
-        kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
-                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}
+        self._pb = pb_utils
         self._base = {"model": model, "version": version}
         self._specs = {f.name: f for f in families}
-        self._families = {f.name: pb_utils.MetricFamily(name=PREFIX + f.name, description=f.description,
-                                                        kind=kinds[f.kind]) for f in families}
+        self._families = {f.name: self._family(f) for f in families}
         self._metrics: dict[tuple[str, tuple], object] = {}
         self._reported: dict[tuple[str, tuple], float] = {}
+        self._info: dict[str, tuple] = {}  # info family -> its current label values
+        self._stamp = 0.0  # the last info value set (unix time, strictly increasing)
+
+    def _family(self, spec: Family):
+        kinds = {GAUGE: "GAUGE", INFO: "GAUGE", COUNTER: "COUNTER", HISTOGRAM: "HISTOGRAM"}
+        kind = getattr(self._pb.MetricFamily, kinds[spec.kind])
+        return self._pb.MetricFamily(name=PREFIX + spec.name, description=spec.description, kind=kind)
 
     def metric(self, name: str, label_values: tuple):
         """The metric of one label combination (created once: creating is an IPC round trip too)."""
@@ -88,6 +96,9 @@ class TritonMetrics:
         """Gauges that changed, counters by their growth, then each histogram observation."""
         reported = self._reported
         for key, value in values.items():
+            if self._specs[key[0]].kind == INFO:
+                self._current(*key)
+                continue
             last = reported.get(key)
             if last == value:
                 continue
@@ -101,6 +112,20 @@ class TritonMetrics:
             reported[key] = value
         for name, label, value in observations:
             self.metric(name, () if label is None else (label,)).observe(value)
+
+    def _current(self, name: str, label_values: tuple) -> None:
+        """Make `label_values` the info family's current series, valued the unix time now (the newest value wins)."""
+        if self._info.get(name) == label_values:
+            return
+        series = [key for key in self._metrics if key[0] == name]
+        if len(series) >= MAX_INFO_SERIES and (name, label_values) not in self._metrics:
+            for key in series:  # the metrics before their family (Triton refuses the other order)
+                del self._metrics[key]
+            self._families[name] = None
+            self._families[name] = self._family(self._specs[name])
+        self._stamp = max(time.time(), self._stamp + 0.001)
+        self.metric(name, label_values).set(self._stamp)
+        self._info[name] = label_values
 
     def increment(self, name: str, label_values: tuple, amount: float = 1) -> None:
         """Count at once (a model without an engine loop, e.g. lora_adapters)."""
