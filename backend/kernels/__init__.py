@@ -131,6 +131,21 @@ def packed_linear(x, packed, out=None):
     return reference.fp16_linear(x, packed)
 
 
+def fp8_linear(x, weight, scale, block=None, bias=None):
+    """x [..., K] @ W.T + bias -> [..., N] in x's dtype, W from FP8 weights: weight float8_e4m3fn [N, K] and scale
+    [1] (per tensor), [N] (per output channel) or [ceil(N / bn), ceil(K / bk)] with block (bn, bk). W rounded to
+    x's dtype, products summed in fp32 (reference.fp8_linear); CUDA: GEMV for decode rows, tensor-core GEMM for
+    prefill (quant_launch)."""
+    return run("fp8_linear", x, weight, scale, block, bias)
+
+
+def w4a16_linear(x, qweight, scales, zeros, group_size, bias=None):
+    """x [..., K] @ W.T + bias -> [..., N] in x's dtype, W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]:
+    qweight uint8 [N, ceil(K / 2)] (even k in the low nibble), scales float16/bfloat16/float32 and zeros uint8
+    [N, ceil(K / G)], G = group_size. W rounded to x's dtype, products summed in fp32 (reference.w4a16_linear)."""
+    return run("w4a16_linear", x, qweight, scales, zeros, group_size, bias)
+
+
 def native_panels(device, dtype, head_dim: int) -> bool:
     """Whether a model's fp32 CPU weights pack into panels for the native GEMM (native_layer_ops, and a vector
     path for the GEMM on this CPU)."""
@@ -183,6 +198,8 @@ __all__ = [
     "add_rms_norm",
     "check_model",
     "copy_blocks",
+    "fp8_linear",
+    "w4a16_linear",
     "linear_pack",
     "linear_pack_int8",
     "native_layer_ops",

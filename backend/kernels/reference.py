@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import quant_args
+
 # ---------------------------------------------------------------------------------------------
 # LoRA: BGMV (one adapter slot per token) and SGMV (one per contiguous segment of tokens)
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +250,55 @@ def int8_linear(x, packed: Int8Linear, out=None):
         return out
     return y
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized linear layers: FP8 and INT4 W4A16 (layouts: quant_args; the .cu kernels in quant_linear.cu)
+# ---------------------------------------------------------------------------------------------
+
+
+def fp8_dequantize(weight, scale, block=None):
+    """W [N, K] in fp32 of an FP8 weight: float(weight[n, k]) * scale[n // bn, k // bk] (quant_args)."""
+    n, k = weight.shape
+    rows, inputs, cols = quant_args.fp8_layout(weight.new_empty((1, k), dtype=torch.float32), weight, scale, block)
+    grid = scale.float().reshape(-1, cols)
+    full = grid.repeat_interleave(rows, 0)[:n].repeat_interleave(inputs, 1)[:, :k]
+    return weight.float() * full
+
+
+def int4_dequantize(qweight, scales, zeros, group_size, in_features):
+    """W [N, K] in fp32 of an INT4 weight with K = in_features: (q[n, k] - zeros[n, k // G]) * scales[n, k // G]."""
+    quant_args.check_w4a16(qweight.new_empty((1, in_features), dtype=torch.float32), qweight, scales, zeros,
+                           group_size)
+    n = qweight.shape[0]
+    q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(n, -1)[:, :in_features]
+    group = torch.arange(in_features, device=qweight.device) // group_size
+    return (q.float() - zeros.float()[:, group]) * scales.float()[:, group]
+
+
+def quantized_linear(x, w32, bias=None):
+    """x [..., K] @ W.T + bias for a dequantized W [N, K] (fp32): W rounded to x's dtype (the weights a model in
+    that dtype holds), products and sums in fp32, the bias added in fp32, the result rounded once to x's dtype."""
+    w = w32.to(x.dtype).float()
+    y = x.reshape(-1, x.shape[-1]).float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear(x, weight, scale, block=None, bias=None):
+    """x [..., K] @ W.T + bias with W from an FP8 weight (float8_e4m3fn [N, K]; scale per tensor [1], per output
+    channel [N], or per block [ceil(N / bn), ceil(K / bk)] with block = (bn, bk)): dequantize, then
+    quantized_linear."""
+    quant_args.fp8_layout(x, weight, scale, block, bias)
+    return quantized_linear(x, fp8_dequantize(weight, scale, block), bias)
+
+
+def w4a16_linear(x, qweight, scales, zeros, group_size, bias=None):
+    """x [..., K] @ W.T + bias with W from an INT4 weight (qweight uint8 [N, ceil(K / 2)], even k in the low nibble;
+    scales and zeros [N, ceil(K / G)]): dequantize, then quantized_linear."""
+    quant_args.check_w4a16(x, qweight, scales, zeros, group_size, bias)
+    return quantized_linear(x, int4_dequantize(qweight, scales, zeros, group_size, x.shape[-1]), bias)
 
 def add_rms_norm(x, delta, weight, eps):
     """x += delta in place (when given: the residual add), then RMSNorm(x) * weight in fp32, as HF computes it."""
