@@ -115,8 +115,13 @@ def _int8_args(qweight, scale, bias) -> None:
 
 def linear_pack_int8(qweight, scale, bias=None):
     """An int8 linear layer for packed_linear: W = qweight * scale[:, None] (qweight int8 [N, K], per-output-channel
-    scale [N], symmetric), bias [N] or None. Fused projections are row-concatenations of qweight and scale."""
+    scale [N], symmetric), bias [N] or None. Fused projections are row-concatenations of qweight and scale. Native
+    int8 panels where the native GEMM is built and LORAPLEX_KERNELS is auto (VNNI where the CPU has it: products
+    within ~1e-5 of x @ W.T relative to |x| |W[n]|; else weights converted to fp32), which DecodeForward takes;
+    else torch's weight-only int8 GEMM."""
     _int8_args(qweight, scale, bias)
+    if dispatch.MODE == "auto" and cpu_native.int8_isa() != cpu_native.INT8_NONE:
+        return cpu_native.Panels.int8(qweight, scale.float(), None if bias is None else bias.float())
     return reference.int8_linear_pack(qweight, scale, bias)
 
 

@@ -446,37 +446,350 @@ static void gemm_panel_f32(const float *x, int64_t x_stride, const void *panel, 
 /* Panel width NB of the GEMMs, or 0 when this CPU has no vector path for them (then they are not called). */
 int lp_gemm_panel_width(void) { return NB; }
 
-/* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias (nullable; padded to the panels),
- * W in panels of fp16 (half) or fp32. With several threads (lp_threads) the panels of a large weight (256K+
- * elements, or 4M+ products) are handed out one at a time: a thread that loses its core to another process
- * delays only the panel it holds, not a fixed share (the barrier of a static split waits for the slowest). */
-static void gemm(const float *x, int64_t x_stride, const void *panels, const float *bias, float *y, int64_t y_stride,
-                 int64_t m, int64_t n, int64_t k, int half) {
+/* ---- int8 weights: W = q * scale[n] per output channel, q int8 ----
+ * Panels of NB columns as the others, each [K4 / 4, NB, 4] (K4: K rounded up to 4, padded with zeros): four
+ * consecutive k of a column are one 32-bit lane, so one vector holds LANES columns x 4 k. Two paths:
+ * - VNNI (vpdpbusd: 4 products u8 x s8 summed into an int32 lane): each row of x is split into two int8 parts,
+ *   hi = round(x / s1) with s1 = max|x| / 127, lo = round((x - s1 * hi) / s2) with s2 = s1 / 254, stored as
+ *   u8 = q + 128; so sum_k u8 * w = sum_k q * w + 128 * colsum[n] (colsum stored with the panels, times 128),
+ *   and y = scale * (s1 * (acc_hi - colsum) + s2 * (acc_lo - colsum)) + bias. x - s1 * hi - s2 * lo is at most
+ *   s2 / 2 = max|x| / 64516 an element, so y is within ~1e-5 of x . W relative to |x| |W[n]| (fp32 rounding
+ *   itself is ~1e-6 there). The int32 sums are exact: |q| <= 128, |u8| <= 255, K <= I8_MAX_K.
+ * - without VNNI (or forced, lp_int8_force): each weight converted to fp32 in registers, multiplied by x in fp32
+ *   (FMA), y = scale * sum + bias: weight-only, x . W up to fp32 rounding. */
+#define I8_MAX_K (1 << 16)
+enum { LP_F32 = 0, LP_F16 = 1, LP_I8 = 2 };
+enum { I8_NONE = 0, I8_CVT = 1, I8_VNNI = 2 };
+#ifndef I8_PARTS
+#define I8_PARTS 3 /* int8 parts of each activation on the VNNI path (2 or 3; decision 071) */
+#endif
+
+typedef struct { /* one linear layer's weight as the GEMM reads it: panels of kind (LP_*) and, padded to the
+                  * panels, its bias (NULL: none) and for int8 its per-column scale and 128 * column sums */
+    const void *w;
+    const float *bias, *scale;
+    const int32_t *colsum;
+    int64_t kind;
+} lp_weight;
+
 #ifdef LANES
-    const int64_t num_panels = (n + NB - 1) / NB, panel_bytes = k * NB * (half ? 2 : 4);
+#if defined(__AVX512F__)
+typedef __m512i vi;
+static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+/* byte J (0..3) of each 32-bit lane, sign-extended, as fp32 */
+#define VI_BYTE(w, J) _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32((w), 24 - 8 * (J)), 24))
+static inline void vf_store_u8(uint8_t *p, vf integral) { /* integral values in [-128, 127], stored + 128 */
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(integral),
+                                                                           _mm512_set1_epi32(128))));
+}
+#if defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#define I8_ROWS (I8_PARTS == 2 ? 3 : 2) /* rows of a VNNI tile: parts x rows x 4 vectors of sums in registers */
+static inline vi vi_bcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+static inline vi vi_dpbusd(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#endif
+#else
+typedef __m256i vi;
+static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vf vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+#define VI_BYTE(w, J) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((w), 24 - 8 * (J)), 24))
+static inline void vf_store_u8(uint8_t *p, vf integral) {
+    const __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(integral), _mm256_set1_epi32(128));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
+}
+#if defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#define I8_ROWS 1
+static inline vi vi_bcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline vi vi_dpbusd(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#endif
+#endif
+#endif
+
+/* The best int8 path built here, and the one taken (at most lp_int8_force's level; tests force the fallback). */
+#if defined(HAVE_VNNI)
+#define I8_BEST I8_VNNI
+#elif defined(LANES)
+#define I8_BEST I8_CVT
+#else
+#define I8_BEST I8_NONE
+#endif
+static int lp_int8_level = I8_BEST;
+int lp_int8_isa(void) { return lp_int8_level; }
+/* Cap the int8 path at level (I8_CVT: the fp32 fallback; I8_VNNI or more: the best built); returns the path. */
+int lp_int8_force(int level) {
+    lp_int8_level = level < I8_BEST ? (level > I8_CVT ? level : I8_CVT) : I8_BEST;
+    if (I8_BEST == I8_NONE) lp_int8_level = I8_NONE;
+    return lp_int8_level;
+}
+
+/* Bytes of scratch the VNNI path needs for m rows of k: each row's I8_PARTS u8 rows, then its I8_PARTS scales. */
+static inline int64_t i8_scratch_bytes(int64_t m, int64_t k) {
+    return m * I8_PARTS * (((k + 3) & ~(int64_t)3) + (int64_t)sizeof(float));
+}
+
+#ifdef HAVE_VNNI
+/* Row x (k floats) as I8_PARTS u8 rows into xq [I8_PARTS][k4] (pad: 128, i.e. 0) and their scales into s: part j
+ * holds round(r_j / s_j) of the remainder r_j = x - sum of the parts before it, s_1 = max|x| / 127, s_j+1 = s_j / 254
+ * (|r_j| <= s_j * 127: no part saturates). A row holding a NaN or an infinity gets NaN scales (its outputs are NaN);
+ * a zero row zero scales. */
+static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, float *s) {
+    float amax = 0.f, z = 0.f; /* z: NaN exactly when a value is not finite */
+#pragma omp simd reduction(max : amax) reduction(+ : z)
+    for (int64_t i = 0; i < k; i++) {
+        const float a = x[i] < 0.f ? -x[i] : x[i];
+        amax = a > amax ? a : amax;
+        z += x[i] * 0.f;
+    }
+    if (z != z || amax == 0.f) {
+        memset(xq, 128, (size_t)(I8_PARTS * k4));
+        for (int j = 0; j < I8_PARTS; j++) s[j] = z == z ? 0.f : NAN;
+        return;
+    }
+    double sd[I8_PARTS]; /* in double: the last scale of a tiny amax is subnormal or 0 in float */
+    sd[0] = (double)amax / 127.0;
+    for (int j = 1; j < I8_PARTS; j++) sd[j] = sd[j - 1] / 254.0;
+    for (int j = 0; j < I8_PARTS; j++) s[j] = (float)sd[j];
+    if (!(1.0 / sd[I8_PARTS - 1] <= 3.0e38)) { /* amax below ~1e-31: such rows are split in double */
+        for (int64_t i = 0; i < k; i++) {
+            double r = x[i];
+            for (int j = 0; j < I8_PARTS; j++) {
+                double q = nearbyint(r / sd[j]);
+                q = q < -127 ? -127 : q > 127 ? 127 : q;
+                xq[j * k4 + i] = (uint8_t)(q + 128);
+                r -= q * sd[j];
+            }
+        }
+    } else {
+        vf inv[I8_PARTS], sv[I8_PARTS];
+        float invs[I8_PARTS];
+        for (int j = 0; j < I8_PARTS; j++) invs[j] = (float)(1.0 / sd[j]), inv[j] = vf_set(invs[j]), sv[j] = vf_set(s[j]);
+        const vf top = vf_set(127.f), bottom = vf_set(-127.f);
+        int64_t i = 0;
+        for (; i + LANES <= k; i += LANES) {
+            vf r = vf_load(x + i);
+            for (int j = 0; j < I8_PARTS; j++) {
+                const vf q = vf_min(vf_max(vf_round(vf_mul(r, inv[j])), bottom), top);
+                vf_store_u8(xq + j * k4 + i, q);
+                r = vf_fnmadd(q, sv[j], r);
+            }
+        }
+        for (; i < k; i++) {
+            float r = x[i];
+            for (int j = 0; j < I8_PARTS; j++) {
+                float q = rintf(r * invs[j]);
+                q = q < -127.f ? -127.f : q > 127.f ? 127.f : q;
+                xq[j * k4 + i] = (uint8_t)((int)q + 128);
+                r = fmaf(-q, s[j], r);
+            }
+        }
+    }
+    for (int j = 0; j < I8_PARTS; j++) memset(xq + j * k4 + k, 128, (size_t)(k4 - k));
+}
+
+/* rows (<= I8_ROWS) x NB outputs of one int8 panel from quantized rows (xq: [rows][I8_PARTS][k4], xs: their
+ * scales [rows][I8_PARTS]); col0: the panel's first column (of the scales, column sums and bias). */
+static inline __attribute__((always_inline)) void i8_vnni_tile(const uint8_t *xq, int64_t k4, const float *xs,
+                                                                const int8_t *panel, const lp_weight *w,
+                                                                int64_t col0, float *y, int64_t y_stride,
+                                                                const int rows, int64_t cols) {
+    vi acc[I8_ROWS][I8_PARTS][PANEL_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < I8_PARTS; q++)
+            for (int v = 0; v < PANEL_VECS; v++) acc[r][q][v] = vi_zero();
+    for (int64_t g = 0; g < k4; g += 4) {
+        vi wv[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; v++) wv[v] = vi_load(panel + g * NB + v * LANES * 4);
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < I8_PARTS; q++) {
+                const vi xb = vi_bcast4(xq + (I8_PARTS * r + q) * k4 + g);
+                for (int v = 0; v < PANEL_VECS; v++) acc[r][q][v] = vi_dpbusd(acc[r][q][v], xb, wv[v]);
+            }
+    }
+    float buf[NB];
+    for (int r = 0; r < rows; r++) {
+        float *out = cols == NB ? y + r * y_stride : buf;
+        for (int v = 0; v < PANEL_VECS; v++) {
+            const vi cs = vi_load(w->colsum + col0 + v * LANES);
+            vf t = vf_mul(vi_float(vi_sub(acc[r][0][v], cs)), vf_set(xs[I8_PARTS * r]));
+            for (int q = 1; q < I8_PARTS; q++)
+                t = vf_add(t, vf_mul(vi_float(vi_sub(acc[r][q][v], cs)), vf_set(xs[I8_PARTS * r + q])));
+            const vf o = vf_mul(t, vf_load(w->scale + col0 + v * LANES));
+            vf_store(out + v * LANES, w->bias ? vf_add(o, vf_load(w->bias + col0 + v * LANES)) : o);
+        }
+        if (cols != NB) memcpy(y + r * y_stride, buf, (size_t)cols * sizeof(float));
+    }
+}
+
+static void i8_vnni_panel(const uint8_t *xq, int64_t k4, const float *xs, const int8_t *panel, const lp_weight *w,
+                          int64_t col0, float *y, int64_t y_stride, int64_t m, int64_t cols) {
+#define TILE(R)                                                                                         \
+    i8_vnni_tile(xq + I8_PARTS * r * k4, k4, xs + I8_PARTS * r, panel, w, col0, y + r * y_stride, y_stride, R, cols)
+    int64_t r = 0;
+    for (; r + I8_ROWS <= m; r += I8_ROWS) TILE(I8_ROWS);
+    switch (m - r) {
+#if I8_ROWS > 2
+        case 2: TILE(2); break;
+#endif
+#if I8_ROWS > 1
+        case 1: TILE(1); break;
+#endif
+        default: break;
+    }
+#undef TILE
+}
+#endif
+
+#ifdef LANES
+/* rows (<= TILE_ROWS) x NB outputs of one int8 panel, weights converted to fp32 (the path without VNNI). */
+static inline __attribute__((always_inline)) void i8_cvt_tile(const float *x, int64_t x_stride, const int8_t *panel,
+                                                               int64_t k, const lp_weight *w, int64_t col0, float *y,
+                                                               int64_t y_stride, const int rows, int64_t cols) {
+    vf acc[TILE_ROWS][PANEL_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_zero();
+#define STEP(G, J)                                                                         \
+    do {                                                                                   \
+        vf wf[PANEL_VECS];                                                                 \
+        for (int v = 0; v < PANEL_VECS; v++) wf[v] = VI_BYTE(vi_load(panel + (G) * NB + v * LANES * 4), J); \
+        for (int r = 0; r < rows; r++) {                                                   \
+            const vf xr = vf_bcast(x + r * x_stride + (G) + (J));                          \
+            for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_fma(xr, wf[v], acc[r][v]); \
+        }                                                                                  \
+    } while (0)
+    const int64_t full = k & ~(int64_t)3;
+    for (int64_t g = 0; g < full; g += 4) {
+        STEP(g, 0);
+        STEP(g, 1);
+        STEP(g, 2);
+        STEP(g, 3);
+    }
+    if (k - full > 0) STEP(full, 0); /* the last k: x is not read past its row */
+    if (k - full > 1) STEP(full, 1);
+    if (k - full > 2) STEP(full, 2);
+#undef STEP
+    float buf[NB];
+    for (int r = 0; r < rows; r++) {
+        float *out = cols == NB ? y + r * y_stride : buf;
+        for (int v = 0; v < PANEL_VECS; v++) {
+            const vf o = vf_mul(acc[r][v], vf_load(w->scale + col0 + v * LANES));
+            vf_store(out + v * LANES, w->bias ? vf_add(o, vf_load(w->bias + col0 + v * LANES)) : o);
+        }
+        if (cols != NB) memcpy(y + r * y_stride, buf, (size_t)cols * sizeof(float));
+    }
+}
+
+static void i8_cvt_panel(const float *x, int64_t x_stride, const int8_t *panel, int64_t k, const lp_weight *w,
+                         int64_t col0, float *y, int64_t y_stride, int64_t m, int64_t cols) {
+#define TILE(R) i8_cvt_tile(x + r * x_stride, x_stride, panel, k, w, col0, y + r * y_stride, y_stride, R, cols)
+    int64_t r = 0;
+    for (; r + TILE_ROWS <= m; r += TILE_ROWS) TILE(TILE_ROWS);
+    switch (m - r) {
+#if TILE_ROWS > 5
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
+#endif
+        case 2: TILE(2); break;
+        case 1: TILE(1); break;
+        default: break;
+    }
+#undef TILE
+}
+#endif
+
+/* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias, W any lp_weight. With several
+ * threads (lp_threads) the panels of a large weight (256K+ elements, or 4M+ products) are handed out one at a
+ * time: a thread that loses its core to another process delays only the panel it holds, not a fixed share (the
+ * barrier of a static split waits for the slowest). scratch: i8_scratch_bytes(m, k) bytes for the VNNI path's
+ * quantized rows (NULL: allocated here). Returns 0, or -2 when memory ran out. */
+static int gemm(const float *x, int64_t x_stride, const lp_weight *w, float *y, int64_t y_stride, int64_t m,
+                int64_t n, int64_t k, void *scratch) {
+#ifdef LANES
+    const int64_t num_panels = (n + NB - 1) / NB, k4 = (k + 3) & ~(int64_t)3;
+    const int kind = (int)w->kind;
+    const int64_t panel_bytes = kind == LP_I8 ? k4 * NB : k * NB * (kind == LP_F16 ? 2 : 4);
+    const uint8_t *xq = NULL;
+    const float *xs = NULL;
+    void *own = NULL;
+#ifdef HAVE_VNNI
+    const int vnni = kind == LP_I8 && lp_int8_level >= I8_VNNI;
+    if (vnni) {
+        if (!scratch) scratch = own = malloc((size_t)i8_scratch_bytes(m, k));
+        if (!scratch) return -2;
+        float *s = (float *)scratch;
+        uint8_t *q = (uint8_t *)(s + I8_PARTS * m);
+        for (int64_t r = 0; r < m; r++)
+            quantize_row(x + r * x_stride, k, k4, q + I8_PARTS * r * k4, s + I8_PARTS * r);
+        xq = q, xs = s;
+    }
+#else
+    const int vnni = 0;
+#endif
+    (void)xq, (void)xs;
 #pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) \
     if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
-        const void *panel = (const char *)panels + p * panel_bytes;
-        (half ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k, bias ? bias + p * NB : NULL, y + p * NB,
-                                                 y_stride, m, cols);
-    }
-#else
-    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,
-        (void)half;
+        const void *panel = (const char *)w->w + p * panel_bytes;
+        float *yp = y + p * NB;
+        if (vnni) {
+#ifdef HAVE_VNNI
+            i8_vnni_panel(xq, k4, xs, (const int8_t *)panel, w, p * NB, yp, y_stride, m, cols);
 #endif
+        } else if (kind == LP_I8)
+            i8_cvt_panel(x, x_stride, (const int8_t *)panel, k, w, p * NB, yp, y_stride, m, cols);
+        else
+            (kind == LP_F16 ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k, w->bias ? w->bias + p * NB : NULL,
+                                                              yp, y_stride, m, cols);
+    }
+    free(own);
+#else
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)m, (void)n, (void)k, (void)scratch;
+#endif
+    return 0;
 }
 
 void lp_gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
-    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 1);
+    const lp_weight w = {panels, bias, NULL, NULL, LP_F16};
+    gemm(x, x_stride, &w, y, y_stride, m, n, k, NULL);
 }
 
 void lp_gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
-    gemm(x, x_stride, panels, bias, y, y_stride, m, n, k, 0);
+    const lp_weight w = {panels, bias, NULL, NULL, LP_F32};
+    gemm(x, x_stride, &w, y, y_stride, m, n, k, NULL);
 }
+
+/* The int8 GEMM (panels, scale, 128 * column sums and bias padded to the panels; K <= I8_MAX_K). Returns 0, or -2
+ * when memory ran out. */
+int lp_gemm_i8(const float *x, int64_t x_stride, const int8_t *panels, const float *scale, const int32_t *colsum,
+               const float *bias, float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const lp_weight w = {panels, bias, scale, colsum, LP_I8};
+    return gemm(x, x_stride, &w, y, y_stride, m, n, k, NULL);
+}
+
+int lp_int8_max_k(void) { return I8_MAX_K; }
+int lp_int8_parts(void) { return I8_PARTS; }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 
@@ -756,17 +1069,16 @@ int lp_lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride, in
 
 /* ---- a whole decode forward of the base model in one call: the ops above, in the model's order ---- */
 
-typedef struct { /* one layer's weights: norms, panels (fp16 or fp32) and their padded biases (NULL: none); its
+typedef struct { /* one layer's weights: norms and projections (each its own kind: fp32, fp16 or int8 panels); its
                   * attention's sliding window (0: none) and score soft-cap (0: none), as lp_paged_decode takes them */
     const float *input_norm, *post_norm;
-    const void *qkv, *o, *gate_up, *down;
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    lp_weight qkv, o, gate_up, down;
     int64_t window;
     float softcap;
 } lp_layer;
 
-typedef struct { /* the model's shapes, and its panels' type (half: fp16, else fp32) */
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, half;
+typedef struct { /* the model's shapes */
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
 } lp_shapes;
 
@@ -792,10 +1104,15 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
                       const lp_lora_module *lora, float *h, float *out) {
     const int64_t rows = s->rows, hid = m->hidden, d = m->head_dim, qd = m->heads * d, kvd = m->kv_heads * d;
     const int64_t wqkv = qd + 2 * kvd, inter = m->intermediate;
-    const int half = m->half != 0;
     const int64_t layer_elems = s->num_blocks * s->block_size * kvd;
+    const int64_t widest = hid > qd ? (hid > inter ? hid : inter) : (qd > inter ? qd : inter);
     float *buf = (float *)malloc((size_t)(rows * (2 * hid + wqkv + qd + 3 * inter)) * sizeof(float));
-    if (!buf) return -2;
+    void *scratch = malloc((size_t)i8_scratch_bytes(rows, widest)); /* the int8 GEMMs' quantized rows */
+    if (!buf || !scratch) {
+        free(buf);
+        free(scratch);
+        return -2;
+    }
     float *x = buf, *qkv = x + rows * hid, *att = qkv + rows * wqkv, *proj = att + rows * qd;
     float *gu = proj + rows * hid, *act = gu + rows * 2 * inter;
     const float *delta = NULL;
@@ -811,7 +1128,7 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
         float *k_cache = s->kv_cache + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
         lp_add_rms_norm(h, hid, delta, hid, w->input_norm, x, hid, rows, hid, m->eps);
         const lp_lora_module *ad = adapted ? lora + 7 * i : NULL; /* q, k, v, o, gate, up, down */
-        gemm(x, hid, w->qkv, w->qkv_bias, qkv, wqkv, rows, wqkv, hid, half);
+        gemm(x, hid, &w->qkv, qkv, wqkv, rows, wqkv, hid, scratch);
         if (ad) lora_add(x, hid, qkv_y, wqkv, ad, qkv_in, qkv_out, 3, &plan, s->max_rank, lora_half);
         rc = lp_rotate_qk(qkv, wqkv, m->heads, qkv + qd, wqkv, m->kv_heads, d, s->positions, rows, s->cos,
                           s->signed_sin, s->table_rows);
@@ -823,18 +1140,19 @@ int lp_decode_forward(const lp_shapes *m, const lp_layer *layers, const float *f
                                  s->context_lens, rows, m->heads, m->kv_heads, d, s->block_size, s->num_blocks,
                                  m->scale, w->window, w->softcap);
         if (rc) break;
-        gemm(att, qd, w->o, w->o_bias, proj, hid, rows, hid, qd, half);
+        gemm(att, qd, &w->o, proj, hid, rows, hid, qd, scratch);
         if (ad) lora_add(att, qd, &proj, hid, ad + 3, &qd, &hid, 1, &plan, s->max_rank, lora_half);
         lp_add_rms_norm(h, hid, proj, hid, w->post_norm, x, hid, rows, hid, m->eps);
-        gemm(x, hid, w->gate_up, w->gate_up_bias, gu, 2 * inter, rows, 2 * inter, hid, half);
+        gemm(x, hid, &w->gate_up, gu, 2 * inter, rows, 2 * inter, hid, scratch);
         if (ad) lora_add(x, hid, gu_y, 2 * inter, ad + 4, gu_in, gu_out, 2, &plan, s->max_rank, lora_half);
         lp_silu_mul(gu, 2 * inter, gu + inter, 2 * inter, act, inter, rows, inter);
-        gemm(act, inter, w->down, w->down_bias, proj, hid, rows, hid, inter, half);
+        gemm(act, inter, &w->down, proj, hid, rows, hid, inter, scratch);
         if (ad) lora_add(act, inter, &proj, hid, ad + 6, &inter, &hid, 1, &plan, s->max_rank, lora_half);
         delta = proj;
     }
     if (!rc) lp_add_rms_norm(h, hid, delta, hid, final_norm, out, hid, rows, hid, m->eps);
     free(buf);
+    free(scratch);
     free((void *)plan.first);
     return rc;
 }

@@ -3,8 +3,8 @@
 They serve fp32 CPU tensors where torch would take several small ops a call: the residual
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
 attention straight from the block table (no gathered copies); the GEMM over weights packed
-in panels, fp16 or fp32 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA; faster than FBGEMM's
-fp16 and MKL's fp32 at a decode's rows: decision 037); the decode step's LoRA deltas (``lora_add``,
+in panels, fp16, fp32 or int8 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA; faster than FBGEMM's
+fp16 and MKL's fp32 at a decode's rows: decision 037; int8 on VNNI where the CPU has it: decision 071); the decode step's LoRA deltas (``lora_add``,
 BGMV: each adapter's A and B.T read once for its rows); and a decode step's whole forward,
 LoRA deltas included (``DecodeForward``). `dispatch` routes a call here when ``serves`` says so and the
 library is built; else the torch reference runs. Without a C compiler (``$CC``, else ``cc``)
@@ -45,7 +45,12 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_paged_decode": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F], ctypes.c_int),
     "lp_gemm_f16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
     "lp_gemm_f32": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], None),
+    "lp_gemm_i8": ([_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
     "lp_gemm_panel_width": ([], ctypes.c_int),
+    "lp_int8_isa": ([], ctypes.c_int),
+    "lp_int8_force": ([ctypes.c_int], ctypes.c_int),
+    "lp_int8_max_k": ([], ctypes.c_int),
+    "lp_int8_parts": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
     "lp_set_threads": ([ctypes.c_int], None),
     "lp_threads": ([], ctypes.c_int),
@@ -65,27 +70,33 @@ def _machine() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
 
 
-def build() -> Path:
-    """The library for this machine (built once into the kernel cache, keyed by compiler, flags, source and CPU)."""
+def build(flags: tuple[str, ...] = C_FLAGS) -> Path:
+    """The library for this machine (built once into the kernel cache, keyed by compiler, flags, source and CPU);
+    other flags (another -march) build another library, for tests."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH; set CC)")
-    return build_once("cpu_native", [cc, *C_FLAGS, SOURCE.read_text(), _machine()],
-                      lambda _tmp, out: [cc, *C_FLAGS, str(SOURCE), "-o", str(out), "-lm"], cc, SOURCE.name)
+    return build_once("cpu_native", [cc, *flags, SOURCE.read_text(), _machine()],
+                      lambda _tmp, out: [cc, *flags, str(SOURCE), "-o", str(out), "-lm"], cc, SOURCE.name)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its entry points' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (logged once) when it cannot be built here."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        return load(build())
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU ops unavailable, using the torch path: %s", exc)
         return None
-    for name, (args, result) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
-    return lib
 
 
 def set_threads(n: int) -> None:
@@ -214,11 +225,26 @@ def advance_decode(positions, slot_mapping, context_lens, block_tables, block_si
         raise IndexError("advance_decode: a position's block is past its block table")
 
 
-class Panels:
-    """A linear layer's weight [N, K] for the native GEMM, in fp16 (``half``) or fp32: N / NB panels [K, NB]
-    (N padded with zero rows), one contiguous stream each, and its bias in fp32 padded the same way (or None)."""
+# the int8 GEMM's paths (lp_int8_isa): none (no vector path), weights converted to fp32, VNNI
+INT8_NONE, INT8_CVT, INT8_VNNI = 0, 1, 2
+KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # Panels.kind -> lp_weight.kind
 
-    __slots__ = ("panels", "bias", "out_features", "in_features", "half")
+
+def _padded(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if t is None:
+        return None
+    out = torch.zeros(rows, dtype=dtype)
+    out[:t.shape[0]] = t
+    return out
+
+
+class Panels:
+    """A linear layer's weight [N, K] for the native GEMM, its ``kind`` fp16, fp32 or int8: N / NB panels (N padded
+    with zero rows), one contiguous stream each ([K, NB]; int8: [K4 / 4, NB, 4], K padded to K4, a multiple of 4),
+    and its bias in fp32 padded the same way (or None); int8 also has its per-row scale (fp32) and 128 * its row
+    sums (int32), padded."""
+
+    __slots__ = ("panels", "bias", "out_features", "in_features", "kind", "scale", "colsum")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, half: bool = True):
         width = library().lp_gemm_panel_width()
@@ -228,17 +254,50 @@ class Panels:
         padded[:n] = weight
         panels = padded.view(rows // width, width, k).transpose(1, 2).contiguous()
         self.panels = panels.half() if half else panels
-        self.out_features, self.in_features, self.half = n, k, half
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.zeros(rows, dtype=torch.float32)
-            self.bias[:n] = bias
+        self.out_features, self.in_features, self.kind = n, k, self.panels.dtype
+        self.bias, self.scale, self.colsum = _padded(bias, rows, torch.float32), None, None
+
+    @property
+    def half(self) -> bool:
+        return self.kind == torch.float16
+
+    @classmethod
+    def int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
+        """W = qweight * scale[:, None] (qweight int8 [N, K], K at most lp_int8_max_k; scale [N]) and bias [N]."""
+        lib = library()
+        width = lib.lp_gemm_panel_width()
+        n, k = qweight.shape
+        if k > lib.lp_int8_max_k():
+            raise ValueError(f"int8 panels: in_features {k} is past the int8 GEMM's {lib.lp_int8_max_k()}")
+        rows, k4 = -(-n // width) * width, -(-k // 4) * 4
+        padded = torch.zeros(rows, k4, dtype=torch.int8)
+        padded[:n, :k] = qweight
+        self = cls.__new__(cls)
+        self.panels = padded.view(rows // width, width, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.out_features, self.in_features, self.kind = n, k, torch.int8
+        self.bias, self.scale = _padded(bias, rows, torch.float32), _padded(scale, rows, torch.float32)
+        self.colsum = _padded(qweight.sum(1, dtype=torch.int32) * 128, rows, torch.int32)
+        return self
 
 
 def panels_native() -> bool:
     """Whether weights pack for the native GEMM here (the library built with a vector path for it)."""
     lib = library()
     return lib is not None and lib.lp_gemm_panel_width() > 0
+
+
+def int8_isa() -> int:
+    """The int8 GEMM's path now: INT8_VNNI, INT8_CVT (weights converted to fp32) or INT8_NONE (no library or no
+    vector path)."""
+    lib = library()
+    return lib.lp_int8_isa() if lib is not None else INT8_NONE
+
+
+def force_int8_isa(level: int) -> int:
+    """Cap the int8 GEMM's path at level (process-wide; INT8_CVT forces the fallback, INT8_VNNI or more restores
+    the best built here); returns the path taken."""
+    lib = library()
+    return lib.lp_int8_force(level) if lib is not None else INT8_NONE
 
 
 def packed_linear(x, weight: Panels, out=None):
@@ -252,21 +311,37 @@ def packed_linear(x, weight: Panels, out=None):
     elif out.shape != (m, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"packed_linear: out must be contiguous fp32 {(m, weight.out_features)}")
     bias = None if weight.bias is None else weight.bias.data_ptr()
-    gemm = library().lp_gemm_f16 if weight.half else library().lp_gemm_f32
+    lib = library()
+    if weight.kind == torch.int8:
+        if lib.lp_gemm_i8(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), weight.scale.data_ptr(),
+                          weight.colsum.data_ptr(), bias, out.data_ptr(), weight.out_features, m, weight.out_features,
+                          k):
+            raise MemoryError("packed_linear: no memory for the quantized rows")
+        return out
+    gemm = lib.lp_gemm_f16 if weight.half else lib.lp_gemm_f32
     gemm(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), bias, out.data_ptr(), weight.out_features, m,
          weight.out_features, k)
     return out
 
 
+class _Weight(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "bias", "scale", "colsum")] + [("kind", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, panels: Panels) -> _Weight:
+        ptrs = [None if t is None else t.data_ptr() for t in (panels.panels, panels.bias, panels.scale, panels.colsum)]
+        return cls(*ptrs, KINDS[panels.kind])
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down",
-                                                    "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+    _fields_ += [(name, _Weight) for name in ("qkv", "o", "gate_up", "down")]
     _fields_ += [("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
 
 class _Shapes(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                   "intermediate", "half")]
+                                                   "intermediate")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -307,32 +382,24 @@ def lora_add(y, x, token_slots, a, b_t, ranks, scales) -> None:
         raise MemoryError("lora_add: no memory for the plan")
 
 
-def _ptr(panels: Panels | None, bias: bool = False):
-    if panels is None:
-        return None
-    tensor = panels.bias if bias else panels.panels
-    return None if tensor is None else tensor.data_ptr()
-
-
 class DecodeForward:
     """A decode step's whole forward in one native call (lp_decode_forward): the same ops in the same order as
     LlamaModel.forward takes them one by one, so the same values, without ~20 Python calls a layer; with
     adapters, each projection adds its rows' deltas as lora_add does. layers: per layer {input_norm, post_norm: fp32
-    tensors; qkv, o_proj, gate_up, down_proj: Panels of one type; optional window, softcap: its attention's, as
+    tensors; qkv, o_proj, gate_up, down_proj: Panels, each of any kind; optional window, softcap: its attention's, as
     paged_attention_decode takes them (absent or None: none)}; the tensors must outlive this object (the model holds
     them)."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
         self._layers = (_Layer * len(layers))(*[
-            _Layer(w["input_norm"].data_ptr(), w["post_norm"].data_ptr(), _ptr(w["qkv"]), _ptr(w["o_proj"]),
-                   _ptr(w["gate_up"]), _ptr(w["down_proj"]), _ptr(w["qkv"], True), _ptr(w["o_proj"], True),
-                   _ptr(w["gate_up"], True), _ptr(w["down_proj"], True),
+            _Layer(w["input_norm"].data_ptr(), w["post_norm"].data_ptr(),
+                   *[_Weight.of(w[name]) for name in ("qkv", "o_proj", "gate_up", "down_proj")],
                    *attention_variant(w.get("window"), w.get("softcap")))
             for w in layers])
         hidden = final_norm.shape[0]
         self._shapes = _Shapes(len(layers), hidden, heads, kv_heads, head_dim, layers[0]["down_proj"].in_features,
-                               int(layers[0]["qkv"].half), eps, scale)
+                               eps, scale)
         self._final_norm, self._cos, self._signed_sin = final_norm, cos, signed_sin
         self._lora = None  # (LoraSlots, its stacks as _LoraModule [layers * 7]) once serves_lora accepted them
 
