@@ -20,6 +20,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto (fp32 on cpu, checkpoint dtype on cuda) | float32 | float16 | bfloat16
     weight_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, fp16 weights of the linear layers, fp32 compute
     lora_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, adapter weights held in fp16, fp32 compute
+    prefill_dtype: str = "auto"  # auto | float32 | bfloat16: CPU prompt rows' GEMMs in bf16 (AMX), decision 074
+    quantization: str = "auto"  # auto (the checkpoint's format) | none | int8 (CPU) | fp8 | int4 (GPU): decision 072
+    quantization_fallback: str = "off"  # off | reference: a format the device has no kernel for runs the torch reference
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # CPU pool size; on CUDA see gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
@@ -73,6 +76,10 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype must be auto, float32, float16 or bfloat16"),
             (self.weight_dtype in ("auto", "float16"), "weight_dtype must be auto or float16"),
             (self.lora_dtype in ("auto", "float16"), "lora_dtype must be auto or float16"),
+            (self.prefill_dtype in ("auto", "float32", "bfloat16"), "prefill_dtype must be auto, float32 or bfloat16"),
+            (self.quantization in ("auto", "none", "int8", "fp8", "int4"),
+             "quantization must be auto, none, int8, fp8 or int4"),
+            (self.quantization_fallback in ("off", "reference"), "quantization_fallback must be off or reference"),
             (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),

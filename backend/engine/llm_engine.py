@@ -90,7 +90,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         max_len = min(config.max_model_len or default_max_len(hf_config), hf_config.max_position_embeddings)
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
-                                fp16_weights=config.weight_dtype == "float16")
+                                fp16_weights=config.weight_dtype == "float16", quantization=config.quantization,
+                                quantization_fallback=config.quantization_fallback)
+        self.model.set_prefill_dtype(config.prefill_dtype)  # bf16 copies for the CPU prefill (decision 074)
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)
         lora_dtype = resolve_lora_dtype(config, self.device, self.dtype)
@@ -160,9 +162,10 @@ class LLMEngine:
         self.adapters.observe = self.stats.adapter_load
         self._step_time = 0.0  # monotonic time of the current step's tokens
         self.num_recoveries = 0  # times the loop thread failed outside a step and reset the engine's state
-        log.info("engine ready: %s on %s/%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
+        log.info("engine ready: %s on %s/%s%s%s, %d KV blocks of %d tokens, max_model_len %d, %d host swap blocks, "
                  "%d torch CPU threads, %s native%s", config.model_dir, self.device, self.dtype,
-                 " (fp16 weights)" if self.model.fp16_weights else "", num_blocks, config.block_size,
+                 " (fp16 weights)" if self.model.fp16_weights else "",
+                 f", quantization {self.model.quant.label}" if self.model.quant.source else "", num_blocks, config.block_size,
                  max_len, self.num_host_blocks, torch.get_num_threads(),
                  kernels.native_threads() if self.device.type == "cpu" else "no",
                  f", expert LoRA stacks at rank {expert_rank} (max_expert_lora_rank {config.max_expert_lora_rank}):"

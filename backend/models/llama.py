@@ -16,8 +16,15 @@ from loraplex import kernels
 from loraplex.kernels import cpu_native, reference
 from loraplex.lora.backends.base import LoraPlan
 from loraplex.lora.shapes import MODULES, PARENTS, module_shapes
+from loraplex.models import bf16_prefill
 from loraplex.models.family import CHECKPOINT_FUSED, FAMILIES, Family, family_of, rope_settings
 from loraplex.models.loader import load_hf_config, load_safetensors
+from loraplex.models.quant import linear as qlinear
+from loraplex.models.quant.formats import is_quant_tensor
+from loraplex.models.quant.forms import dequantize, is_quantized
+from loraplex.models.quant.forms import split as split_form
+from loraplex.models.quant.plan import resolve as resolve_quantization
+from loraplex.models.quant.weights import prepare as prepare_quantized, served_weight
 from loraplex.models.rope import RotaryEmbedding, attention_scaling
 
 # Projections that read the same input, packed as one fp16 weight (one GEMM, its output split by views):
@@ -36,6 +43,9 @@ class AttentionBatch:
     context_lens: torch.Tensor  # int32 [B]: cached + new tokens
     cu_query_lens: torch.Tensor  # int32 [B+1]
     is_decode: bool  # every sequence has exactly one new token
+    # CPU steps with prefill, where the model runs prompt rows in bf16 (bf16_prefill): bool [T], the rows of
+    # sequences with more than one new token
+    prompt_rows: torch.Tensor | None = None
 
 
 FUSED_BASE_ENV = "LORAPLEX_FUSED_BASE"
@@ -55,7 +65,8 @@ def _fused_bias(layer: dict, parts: tuple[str, ...]) -> torch.Tensor | None:
     biases = [layer.get(m + ".bias") for m in parts]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else layer[m].new_zeros(layer[m].shape[0]) for b, m in zip(biases, parts)])
+    some = next(b for b in biases if b is not None)
+    return torch.cat([b if b is not None else some.new_zeros(layer[m].shape[0]) for b, m in zip(biases, parts)])
 
 
 def split_checkpoint_fused(w: dict, architecture: str, num_layers: int, sizes: dict[str, list[int]]) -> None:
@@ -67,8 +78,10 @@ def split_checkpoint_fused(w: dict, architecture: str, num_layers: int, sizes: d
             for suffix in (".weight", ".bias"):
                 t = w.pop(name + suffix, None)
                 if t is not None:
-                    for m, piece in zip(parts, t.split([sizes[m] for m in parts])):
-                        w[f"model.layers.{i}.{PARENTS[m]}.{m}{suffix}"] = piece.contiguous()
+                    widths = [sizes[m] for m in parts]
+                    pieces = split_form(t, widths) if is_quantized(t) else t.split(widths)
+                    for m, piece in zip(parts, pieces):
+                        w[f"model.layers.{i}.{PARENTS[m]}.{m}{suffix}"] = piece if is_quantized(piece) else piece.contiguous()
 
 
 def _llama_family(cfg, head_dim: int) -> Family:
@@ -91,10 +104,16 @@ class LlamaModel:
     set of values. Without it, fp32 on the CPU packs the same weights as fp32 panels where the
     native GEMM is built (decision 037). Packed weights take q/k/v and gate/up
     together (FUSED); a decode step then runs in one native call, its LoRA deltas included.
+
+    ``quantization`` (models/quant, decision 072): auto serves the checkpoint's own format (a plain one in full
+    precision), none dequantizes a quantized checkpoint, int8 / fp8 / int4 quantize a full-precision one at load;
+    ``quantization_fallback`` reference runs a format the device has no kernel for through the torch reference.
+    Quantized projections hold canonical forms (models/quant/forms.py): on the CPU packed (int8 through
+    kernels.linear_pack_int8), elsewhere run by their kernels; ``quant`` says what is served.
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device, max_len: int | None = None, config=None,
-                 fp16_weights: bool = False):
+                 fp16_weights: bool = False, quantization: str = "auto", quantization_fallback: str = "off"):
         self.config = cfg = config if config is not None else load_hf_config(model_dir)
         self.dtype, self.device = dtype, device
         self.model_dir = model_dir
@@ -115,7 +134,10 @@ class LlamaModel:
         self.kernel_fallbacks = kernels.check_model(self.head_dim, self.num_heads, self.num_kv_heads, dtype, device)
         native = kernels.native_layer_ops(device, dtype, self.head_dim)
         self.ops = cpu_native if native else kernels  # the layer ops it calls: native directly, or dispatched
-        w = load_safetensors(model_dir, dtype, device)
+        self.quant = resolve_quantization(quantization, cfg, device, dtype, quantization_fallback, fp16_weights,
+                                          fam.moe)
+        w = load_safetensors(model_dir, dtype, device, is_quant_tensor if self.quant.checkpoint else None)
+        prepare_quantized(w, self.quant, dtype, device)
         split_checkpoint_fused(w, fam.architecture, self.num_layers, {m: o for m, (_, o) in module_shapes(cfg).items()})
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = w.pop("lm_head.weight", None)
@@ -138,12 +160,16 @@ class LlamaModel:
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
         self.native_decode = None  # cpu_native.DecodeForward: a decode step in one native call, LoRA included
+        self.prefill_weights: list[dict] | None = None  # per layer: packed name -> bf16 copy (set_prefill_dtype)
+        self._bf16_rows = None  # the step's bf16_prefill.PrefillRows, while forward runs one
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         self.fused_weights: list[dict] | None = None  # per layer: FUSED name -> (weight, bias), unpacked models
         if fp16_weights:
             if torch.device(device).type != "cpu" or dtype != torch.float32:
                 raise ValueError("fp16 weights are a CPU option with dtype float32; on CUDA set dtype float16")
             self._pack(half=True)
+        elif self.quant.quantized and torch.device(device).type == "cpu":
+            self._pack(half=False, panels=kernels.native_panels(device, dtype, self.head_dim))
         elif kernels.native_panels(device, dtype, self.head_dim):
             self._pack(half=False)
         elif torch.device(device).type == "cpu" and dtype == torch.float32:
@@ -154,12 +180,16 @@ class LlamaModel:
         if self.packed is None and fused_base_enabled(device):
             self._fuse_base()
 
-    def _pack(self, half: bool) -> None:
-        """The projections and lm_head packed by kernels.linear_pack (fp16 if half, else fp32), FUSED merged."""
+    def _pack(self, half: bool, panels: bool = True) -> None:
+        """The projections and lm_head packed by kernels.linear_pack (fp16 if half, else fp32: quantized ones by
+        quant.linear.pack, plain ones as fp32 panels where panels), FUSED merged."""
         tied = self.lm_head is self.embed
         if half:
             self.embed = self.embed.half().float()  # the values the packed weights hold
-        self.packed_lm_head = kernels.linear_pack(self.embed if tied else self.lm_head, half=half)
+            pack = functools.partial(kernels.linear_pack, half=True)
+        else:
+            pack = functools.partial(qlinear.pack, panels=panels)
+        self.packed_lm_head = pack(self.embed if tied else self.lm_head)
         if tied:
             self.lm_head = self.embed
         else:
@@ -167,18 +197,19 @@ class LlamaModel:
         self.packed = []
         fused_modules = {m for parts in FUSED.values() for m in parts}
         self.fused_sizes = self._fused_sizes()
-        pack = functools.partial(kernels.linear_pack, half=half)
         for layer in self.layers:
             packed = {m: pack(layer[m], layer.get(m + ".bias"))
                       for m in MODULES if m not in fused_modules and layer.get(m) is not None}
             for name, parts in FUSED.items():
                 if layer.get(parts[0]) is not None:  # a MoE layer has no gate/up: its experts are models/moe.py's
-                    packed[name] = pack(torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                    packed[name] = pack(qlinear.fuse([layer[m] for m in parts]), _fused_bias(layer, parts))
             for m in MODULES:
                 layer[m] = None  # only the packed copy is read: the fp32 one would double the memory
             self.packed.append(packed)
         fam = self.family
-        if self.ops is cpu_native and isinstance(self.packed_lm_head, cpu_native.Panels) and fam.one_call_decode:
+        native = all(isinstance(p, cpu_native.Panels) for p in (self.packed_lm_head, *(p for layer in self.packed
+                                                                                        for p in layer.values())))
+        if self.ops is cpu_native and native and fam.one_call_decode:
             variants = [{"window": w, "softcap": fam.attn_softcap} for w in fam.layer_windows]
             self.native_decode = cpu_native.DecodeForward(
                 [{**layer, **packed, **v} for layer, packed, v in zip(self.layers, self.packed, variants)], self.norm,
@@ -194,10 +225,16 @@ class LlamaModel:
             for name, parts in FUSED.items():
                 if layer.get(parts[0]) is None:
                     continue
-                fused[name] = (torch.cat([layer[m] for m in parts]), _fused_bias(layer, parts))
+                fused[name] = (qlinear.fuse([layer[m] for m in parts]), _fused_bias(layer, parts))
                 for m in parts:
                     layer[m] = None
             self.fused_weights.append(fused)
+
+    def set_prefill_dtype(self, mode: str) -> None:
+        """prefill_dtype (decision 074): where bf16 is on, a bf16 copy of each packed projection, which a CPU step's
+        prompt rows multiply (bf16_prefill); ValueError where mode asks for bf16 and this model or CPU cannot."""
+        on = bf16_prefill.enabled(mode, self.device, self.dtype, self.packed)
+        self.prefill_weights = bf16_prefill.bf16_copies(self.packed) if on else None
 
     def _fused_sizes(self) -> dict[str, list[int]]:
         """FUSED name -> its modules' output widths."""
@@ -208,17 +245,19 @@ class LlamaModel:
         """One projection's base weight [out, in] and bias (None without), for DoRA's norms at adapter load:
         the layer's own tensor, or, once packed or fused away, read again from the checkpoint."""
         w, bias = self.layers[layer][module], self.layers[layer].get(module + ".bias")
-        if w is None:
+        if is_quantized(w):
+            w = dequantize(w)
+        elif w is None:
             from safetensors import safe_open
 
             fused = next(((f, parts) for f, parts in CHECKPOINT_FUSED.get(self.family.architecture, {}).items()
                           if module in parts), None)
-            name = f"model.layers.{layer}.{PARENTS[module]}.{fused[0] if fused else module}.weight"
+            prefix = f"model.layers.{layer}.{PARENTS[module]}.{fused[0] if fused else module}."
+            raw = {}  # the layer's tensors as stored (a quantized one's: all of its encoding)
             for f in sorted(Path(self.model_dir).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as st:
-                    if name in st.keys():
-                        w = st.get_tensor(name)
-                        break
+                    raw.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+            w = served_weight(raw, prefix + "weight", self.quant) if self.quant.source else raw.get(prefix + "weight")
             if fused is not None and w is not None:
                 widths = [module_shapes(self.config)[m][1] for m in fused[1]]
                 w = w.split(widths)[fused[1].index(module)]
@@ -255,11 +294,14 @@ class LlamaModel:
         return layer
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraPlan | None) -> torch.Tensor:
-        if self.packed is not None:
-            y = kernels.packed_linear(x, self.packed[layer_idx][module])
+        if self._bf16_rows is not None:  # a prefill step's prompt rows in bf16
+            y = bf16_prefill.linear(x, self.packed[layer_idx][module], self.prefill_weights[layer_idx][module],
+                                    self._bf16_rows)
+        elif self.packed is not None:
+            y = qlinear.packed_linear(x, self.packed[layer_idx][module])
         else:
             layer = self.layers[layer_idx]
-            y = F.linear(x, layer[module], layer.get(module + ".bias"))
+            y = qlinear.linear(x, layer[module], layer.get(module + ".bias"))
         if lora is not None:
             lora.apply(y, x, layer_idx, module)
         return y
@@ -267,14 +309,17 @@ class LlamaModel:
     def _projs(self, layer_idx: int, fused: str, x: torch.Tensor, lora: LoraPlan | None) -> tuple[torch.Tensor, ...]:
         """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
         modules = FUSED[fused]
-        if self.packed is not None:
-            ys = kernels.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
+        if self._bf16_rows is not None:  # a prefill step's prompt rows in bf16
+            ys = bf16_prefill.linear(x, self.packed[layer_idx][fused], self.prefill_weights[layer_idx][fused],
+                                     self._bf16_rows).split(self.fused_sizes[fused], dim=1)
+        elif self.packed is not None:
+            ys = qlinear.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
         elif self.fused_weights is not None:
             weight, bias = self.fused_weights[layer_idx][fused]
-            ys = F.linear(x, weight, bias).split(self.fused_sizes[fused], dim=1)
+            ys = qlinear.linear(x, weight, bias).split(self.fused_sizes[fused], dim=1)
         else:
             layer = self.layers[layer_idx]
-            ys = tuple(F.linear(x, layer[m], layer.get(m + ".bias")) for m in modules)
+            ys = tuple(qlinear.linear(x, layer[m], layer.get(m + ".bias")) for m in modules)
         if lora is not None:
             lora.apply_group(ys, x, layer_idx, modules)
         return ys
@@ -292,7 +337,9 @@ class LlamaModel:
             h = vocab.embed(h, input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call):
+        # a CPU step with enough prompt rows runs them in bf16 op by op, its other rows in fp32 (decision 074)
+        bf16 = self._bf16_rows = None if self.prefill_weights is None else bf16_prefill.prefill_rows(attn.prompt_rows)
+        if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call) and bf16 is None:
             slots, token_slots = (None, None) if lora is None else (lora.backend.slots, lora.token_slots)
             return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,
                                       kv_cache, slots, token_slots)
@@ -351,11 +398,11 @@ class LlamaModel:
         reused step after step), the others return a new tensor. vocab (a lora/vocab.py VocabPlan, or None) adds
         the rows' adapters on lm_head, before any soft-cap, as peft."""
         if self.packed_lm_head is not None:
-            logits = kernels.packed_linear(hidden, self.packed_lm_head, out)
+            logits = qlinear.packed_linear(hidden, self.packed_lm_head, out)
         elif self.lm_head_t is not None:
             logits = torch.mm(hidden, self.lm_head_t, out=out)
         else:
-            logits = F.linear(hidden, self.lm_head).float()
+            logits = qlinear.linear(hidden, self.lm_head).float()
         if vocab is not None:  # vocab hooks: the adapters' lm_head parts, before the soft-cap
             vocab.logits(logits, hidden)
         cap = self.family.final_softcap

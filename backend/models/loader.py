@@ -33,8 +33,9 @@ def load_hf_config(model_dir: str):
     return config
 
 
-def load_safetensors(model_dir: str, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint (sharded or not), cast to dtype on device. Never loads pickle."""
+def load_safetensors(model_dir: str, dtype: torch.dtype, device, keep=None) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint (sharded or not), cast to dtype on device; those keep(name, tensor) selects (a
+    quantized layer's integer, fp8 and scale tensors) as stored, on the CPU. Never loads pickle."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     if index.exists():
@@ -47,5 +48,6 @@ def load_safetensors(model_dir: str, dtype: torch.dtype, device) -> dict[str, to
     for name in files:
         with safe_open(str(root / name), framework="pt", device="cpu") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                t = f.get_tensor(key)
+                tensors[key] = t if keep is not None and keep(key, t) else t.to(device=device, dtype=dtype)
     return tensors
