@@ -272,8 +272,13 @@ class ConstraintCompiler:
         except (WorkerUnavailable, EngineShuttingDown):
             self._finished(tenant, constraint, None)
             raise EngineShuttingDown("the model is shutting down; retry on another replica") from None
-        future.add_done_callback(lambda done: self._finished(tenant, constraint, done))
-        return self._result(future, constraint, cancelled)
+        settled: list = []  # set once the compile's bookkeeping is done: by the callback or by this caller
+        future.add_done_callback(lambda done: self._finished(tenant, constraint, done, settled))
+        try:
+            return self._result(future, constraint, cancelled)
+        finally:  # a future's waiter may wake before its callbacks run: the tenant's next compile must see this one done
+            if future.done():
+                self._finished(tenant, constraint, future, settled)
 
     def _result(self, future, constraint: Constraint, cancelled: Callable[[], bool] | None):
         what = constraint.describe()
@@ -311,10 +316,15 @@ class ConstraintCompiler:
                 raise EngineOverloaded(f"{what}: every compile worker was busy for {self.wait_s:g} s; "
                                        "retry later")
 
-    def _finished(self, tenant: str, constraint: Constraint, future) -> None:
-        """A compile ended (or never started): the tenant's allowance back, the grammar kept, a stop noted."""
+    def _finished(self, tenant: str, constraint: Constraint, future, settled: list | None = None) -> None:
+        """A compile ended (or never started): the tenant's allowance back, the grammar kept, a stop noted; once
+        per compile (``settled`` records it)."""
         failure = None if future is None or future.cancelled() else future.exception()
         with self._lock:
+            if settled is not None:
+                if settled:
+                    return
+                settled.append(True)
             left = self._in_flight.pop(tenant) - 1
             if left:
                 self._in_flight[tenant] = left

@@ -224,6 +224,20 @@ def test_a_tenant_compiles_one_at_a_time_and_others_are_not_held(fake_compiler, 
     assert compiler._in_flight == {}
 
 
+def test_a_tenants_next_compile_never_sees_its_finished_one_in_flight(fake_compiler, monkeypatch):
+    """A future's waiter can wake before its done-callbacks run (CI saw it under load): a tenant's back-to-back
+    compiles must not be refused as 'compiling' for a compile that has already returned."""
+    from concurrent.futures import Future
+
+    invoke = Future._invoke_callbacks
+    monkeypatch.setattr(Future, "_invoke_callbacks", lambda self: (time.sleep(0.3), invoke(self)))
+    compiler = fake_compiler(workers=1)
+    for spec in ("first", "second", "third"):
+        assert compiler.compile(regex(spec), "tenant").spec == spec
+    until(lambda: compiler._in_flight == {}, "every compile settled")
+    assert compiler.compiled == 3 and compiler.compile(regex("first"), "tenant").spec == "first"  # cached once
+
+
 def test_a_tenant_whose_compile_was_stopped_waits_behind_the_others(fake_compiler, jobs, tmp_path):
     compiler = fake_compiler(workers=1)
     with pytest.raises(InvalidRequest, match="stopped"):
