@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -73,7 +74,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="replica-agreement-"))
     store = work / "store"
     seed_adapter_store(store, Path(demo["adapters"]))
-    (work / "tenants.json").write_text(json.dumps({"tenants": {"acme": {"api_key_sha256": key_digest(KEY).hex()}}}))
+    (work / "tenants.json").write_text(json.dumps({"tenants": {"acme": {"api_key_sha256": key_digest(KEY).hex(), "max_adapters": 0}}}))
     env = {**engine_env(args.model_dir or demo["model"], store, None, work / "tenants.json"),
            "LORAPLEX_ADMIN_KEY": ADMIN, "OMP_NUM_THREADS": "1"}
     servers = [TritonServer(model_repository=project_root() / "model_repository", env=env,
@@ -98,7 +99,7 @@ def main() -> None:
             seen(b, f"ops-{i}", True, time.perf_counter(), tries["load_shared"], delays["load_shared"])
             operator(a, "unload_shared", f"ops-{i}")
             seen(b, f"ops-{i}", False, time.perf_counter(), tries["unload_shared"], delays["unload_shared"])
-        print(f"{args.rounds} rounds, two replicas on one store ({store}); B's list + one-token generation after A's reply:")
+        print(f"{args.rounds} rounds, two replicas on one store; B's list + one-token generation after A's reply:")
         for op in tries:
             ms = [d * 1000 for d in delays[op]]
             print(f"  {op:14s} requests needed: max {max(tries[op])}   delay ms: median {statistics.median(ms):.1f}"
@@ -109,6 +110,7 @@ def main() -> None:
             stop.start()
         for stop in stops:
             stop.join()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
