@@ -29,15 +29,16 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
 
 
 def int4_group_size(k: int, group_size: int = INT4_GROUP_SIZE) -> int:
-    """The group size int4 quantizes K inputs with (ValueError when it does not divide K)."""
-    if k % group_size or k % 2:
-        raise ValueError(f"int4 quantizes groups of {group_size} inputs: an input size of {k} is not a multiple")
-    return group_size
+    """The group size int4 quantizes K inputs with: group_size, else the largest of 64 and 32 that divides K, else
+    K (one group per row); ValueError for an odd K (two values a byte)."""
+    if k % 2:
+        raise ValueError(f"int4 packs two inputs a byte: an input size of {k} is odd")
+    return next((g for g in (group_size, 64, 32) if g <= group_size and k % g == 0), k)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
-    """Groups of group_size inputs, asymmetric: scale = (max - min) / 15 rounded to fp16 (max, min over the group
-    and 0), zero = round(-min / scale) in 0..15, q = clamp(round(w / scale) + zero, 0, 15)."""
+    """Groups of int4_group_size(K) inputs, asymmetric: scale = (max - min) / 15 rounded to fp16 (max, min over the
+    group and 0), zero = round(-min / scale) in 0..15, q = clamp(round(w / scale) + zero, 0, 15)."""
     n, k = w.shape
     g = int4_group_size(k, group_size)
     groups = w.float().view(n, k // g, g)
