@@ -22,7 +22,7 @@ import pytest
 from tritonserver_fixture import demo_server, seed_demo_adapters
 
 from loraplex.clients.adapters import build_inputs as adapter_inputs
-from loraplex.clients.adapters import delete_adapter, list_adapters, read_adapter_folder, upload_adapter
+from loraplex.clients.adapters import adapter_request, delete_adapter, list_adapters, read_adapter_folder, upload_adapter
 from loraplex.clients.generate import build_inputs, stream_generate
 from loraplex.launch.tritonserver import TritonServerError
 from loraplex.tenancy.tenants import key_digest
@@ -61,6 +61,12 @@ def replicas(work, demo):
             except TritonServerError:  # a port taken meanwhile: start it again on new ones
                 server.stop()
                 server.start_and_wait()
+        warm = [threading.Thread(target=adapter_request, args=(s.grpc_url, "list"), kwargs={"headers": key("acme")})
+                for s in servers]  # lora_adapters' first use opens the store (imports torch): both at once
+        for thread in warm:
+            thread.start()
+        for thread in warm:
+            thread.join()
         yield servers
     finally:
         stops = [threading.Thread(target=server.stop, kwargs={"grace": 10}) for server in servers]
@@ -86,7 +92,6 @@ def text(result) -> str:
 
 def names(server, tenant: str) -> set[str]:
     """Every adapter name the tenant may use on this replica (what the gateway's /v1/models lists)."""
-    from loraplex.clients.adapters import adapter_request
     page = adapter_request(server.grpc_url, "list", headers=key(tenant))
     return {a["name"] for a in page["adapters"]} | set(page["shared"])
 
