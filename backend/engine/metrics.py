@@ -106,6 +106,9 @@ FAMILIES = (  # lora_llm's, all published by the metrics thread
            "the value is the unix time this label set became current"),
     Family("cache_config_info", GAUGE, ("block_size", "num_gpu_blocks"),
            "The KV cache's block size in tokens and its number of blocks (value 1)"),
+    Family("model_info", GAUGE, ("quantization", "checkpoint_format"),
+           "The served base model's weights (value 1): quantization none, int8, fp8 or int4; checkpoint_format the "
+           "checkpoint's quantization method (none: a full-precision checkpoint; decision 072)"),
 )
 UPLOADS = Family("adapter_uploads_total", COUNTER, T, "Adapter versions uploaded, per tenant (model lora_adapters)")
 
@@ -182,6 +185,12 @@ def kv_values(usage: dict[str, int], usable_blocks: int, block_size: int) -> Val
     """The KV cache's protocol gauges: the fraction of usable blocks in use, and the cache's shape."""
     return {("kv_cache_usage_ratio", ()): usage["used"] / usable_blocks if usable_blocks else 0.0,
             ("cache_config_info", (str(block_size), str(usable_blocks))): 1}
+
+
+def model_info(plan) -> Values:
+    """The model-info gauge of a models.quant QuantPlan: the served weights and the checkpoint's method."""
+    method = plan.checkpoint.quant_method if plan.checkpoint is not None else "none"
+    return {("model_info", (plan.served, method)): 1}
 
 
 def live_values(stats) -> Values:

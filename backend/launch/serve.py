@@ -417,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-config", default=None,
                     help='engine knobs as JSON (docs/configuration.md), passed to the model as LORAPLEX_ENGINE_CONFIG, '
                          'e.g. \'{"block_size": 16}\'')
+    ap.add_argument("--quantization", choices=("auto", "none", "int8", "fp8", "int4"), default=None,
+                    help="the base model's weight format (engine knob quantization, decision 072): auto serves a "
+                         "quantized checkpoint (its quantization_config: compressed-tensors, fp8, gptq, awq) as "
+                         "stored and a plain one in full precision; none dequantizes a quantized one; int8 (the CPU's "
+                         "format), fp8 and int4 (the GPU's) quantize a full-precision checkpoint at load; LoRA "
+                         "adapters stay in full precision. A format the device cannot run is refused at start "
+                         "(None: the --engine-config's quantization, else auto)")
     ap.add_argument("--tenants-file", default=None,
                     help="JSON file of tenants and the sha256 of their API keys (README: Tenants), passed to the "
                          "model as LORAPLEX_TENANTS_FILE and re-read when it changes; without it (development "
@@ -504,6 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"loraplex-serve: {exc}", file=sys.stderr)
         return 2
+    if args.quantization is not None:  # into the engine config the model reads
+        try:
+            values = json.loads(args.engine_config or "{}")
+        except ValueError as exc:
+            print(f"loraplex-serve: --engine-config: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(values, dict):
+            print("loraplex-serve: --engine-config: not a JSON object", file=sys.stderr)
+            return 2
+        args.engine_config = json.dumps({**values, "quantization": args.quantization})
     if args.engine_config is not None:
         from loraplex.config import EngineConfig
 
@@ -540,8 +557,11 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model_dir)
         try:
             from loraplex.models.loader import load_hf_config
+            from loraplex.models.quant.formats import detect
 
-            load_hf_config(str(model_dir))
+            fmt = detect(load_hf_config(str(model_dir)))  # an unserved quantization_config: refused here, naming it
+            if fmt is not None:
+                print(f"loraplex-serve: --model-dir {model_dir}: a quantized checkpoint ({fmt.label})", file=sys.stderr)
         except (OSError, ValueError) as exc:
             print(f"loraplex-serve: --model-dir {model_dir}: {exc}", file=sys.stderr)
             return 2

@@ -13,7 +13,9 @@ from loraplex.models.quant.formats import CheckpointFormat, detect
 
 CHOICES = ("auto", "none", "int8", "fp8", "int4")
 FALLBACKS = ("off", "reference")
-FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core arithmetic: Ada and Hopper
+# the fp8 / int4 kernels (quant_linear.cu) dequantize in registers and multiply with mma.sync in fp16/bf16: sm_80+
+# (fp8 needs no e4m3 tensor cores: weight-only, the activations stay in the compute dtype)
+QUANT_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +58,9 @@ def _device_refusal(method: str, device: torch.device, what: str) -> str | None:
     if method == "int8":
         return (f"{what} does not run on CUDA: int8 is the CPU's format (serve fp8 or int4 on a GPU, or "
                 "quantization none)")
-    if method == "fp8" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+    if torch.cuda.get_device_capability(device) < QUANT_CAPABILITY:
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        return (f"{what} needs compute capability 8.9+ (Ada, Hopper) for e4m3 arithmetic; this GPU is {cap} "
-                "(serve int4, or quantization none)")
+        return f"{what} needs compute capability 8.0+ (the quantized kernels' mma.sync); this GPU is {cap}"
     return None
 
 
