@@ -18,6 +18,7 @@ OTHER_TENANTS = "other"
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 INFO = "info"  # a gauge whose labels carry the state: one current label set, its value the unix time it became current
 MAX_WAITING_ADAPTER_NAMES = 64  # names waiting_lora_adapters lists at most (never fewer than max_loras)
+MAX_HASHED_ADAPTERS = 4096  # hashed adapter names kept for reuse (the cache is emptied when full)
 
 # bucket upper bounds (seconds, or counts); vLLM's where vllm_backend has the same metric
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -138,6 +139,7 @@ class TenantLabels:
     def __init__(self, max_distinct: int, hashed: bool = False, salt: str = ""):
         self.max_distinct, self.hashed, self.salt = max_distinct, hashed, salt
         self._seen: set[str] = set()
+        self._hashed: dict[tuple[str, str], str] = {}  # (tenant, adapter name) -> hashed_adapter (loop thread only)
         self._lock = threading.Lock()
 
     @classmethod
@@ -154,13 +156,24 @@ class TenantLabels:
                 self._seen.add(tenant)
         return hashed_tenant(tenant, self.salt) if self.hashed else tenant
 
-    def adapter(self, request) -> str:
-        """The name the LoRA-info gauge shows for a request's adapter: the `lora_name` it sent (what the endpoint
-        picker matches a request's `model` against); with hashed labels, a tenant's own upload as hashed_adapter."""
-        name = request.params.lora_name
-        if self.hashed and (request.adapter_key or "").startswith(request.tenant + "/"):  # catalog.tenant_key
-            return hashed_adapter(request.tenant, name, self.salt)
-        return name
+    def adapters(self, requests) -> set[str]:
+        """The names the LoRA-info gauge shows for the requests' adapters: the `lora_name` each sent (what the
+        endpoint picker matches a request's `model` against); with hashed labels, a tenant's own upload (its
+        manager key is catalog.tenant_key's) as hashed_adapter. Requests without an adapter show nothing."""
+        if not self.hashed:
+            return {r.params.lora_name for r in requests if r.params.lora_name}
+        shown = set()
+        for tenant, name, key in {(r.tenant, r.params.lora_name, r.adapter_key) for r in requests if r.params.lora_name}:
+            if not (key or "").startswith(tenant + "/"):
+                shown.add(name)
+                continue
+            hashed = self._hashed.get((tenant, name))
+            if hashed is None:
+                if len(self._hashed) >= MAX_HASHED_ADAPTERS:
+                    self._hashed.clear()
+                hashed = self._hashed[(tenant, name)] = hashed_adapter(tenant, name, self.salt)
+            shown.add(hashed)
+        return shown
 
 
 Values = dict[tuple[str, tuple], float]  # (family name, its label values) -> value
@@ -175,9 +188,8 @@ def per_label(values: Values, name: str, counts: dict) -> None:
 def lora_info(running, waiting, max_loras: int, labels: TenantLabels) -> Values:
     """The LoRA-info gauge's label set: the distinct adapters of the `running` and of the `waiting` requests
     (sorted, comma-separated; waiting ones cut at max(MAX_WAITING_ADAPTER_NAMES, max_loras)) and max_lora."""
-    shown = labels.adapter
-    names = sorted({shown(r) for r in running if r.params.lora_name})
-    queued = sorted({shown(r) for r in waiting if r.params.lora_name})[:max(MAX_WAITING_ADAPTER_NAMES, max_loras)]
+    names = sorted(labels.adapters(running))
+    queued = sorted(labels.adapters(waiting))[:max(MAX_WAITING_ADAPTER_NAMES, max_loras)]
     return {("lora_requests_info", (str(max_loras), ",".join(names), ",".join(queued))): 0.0}
 
 
