@@ -446,22 +446,33 @@ static void gemm_panel_f32(const float *x, int64_t x_stride, const void *panel, 
 /* Panel width NB of the GEMMs, or 0 when this CPU has no vector path for them (then they are not called). */
 int lp_gemm_panel_width(void) { return NB; }
 
-/* ---- int8 weights: W = q * scale[n] per output channel, q int8 ----
- * Panels of NB columns as the others, each [K4 / 4, NB, 4] (K4: K rounded up to 4, padded with zeros): four
- * consecutive k of a column are one 32-bit lane, so one vector holds LANES columns x 4 k. Two paths:
- * - VNNI (vpdpbusd: 4 products u8 x s8 summed into an int32 lane): each row of x is split into two int8 parts,
- *   hi = round(x / s1) with s1 = max|x| / 127, lo = round((x - s1 * hi) / s2) with s2 = s1 / 254, stored as
- *   u8 = q + 128; so sum_k u8 * w = sum_k q * w + 128 * colsum[n] (colsum stored with the panels, times 128),
- *   and y = scale * (s1 * (acc_hi - colsum) + s2 * (acc_lo - colsum)) + bias. x - s1 * hi - s2 * lo is at most
- *   s2 / 2 = max|x| / 64516 an element, so y is within ~1e-5 of x . W relative to |x| |W[n]| (fp32 rounding
- *   itself is ~1e-6 there). The int32 sums are exact: |q| <= 128, |u8| <= 255, K <= I8_MAX_K.
+/* ---- int8 weights: W = q * scale[n] per output channel, q int8 (decision 071) ----
+ * Panels of NB columns as the others, each [KP / 4, NB, 4] (KP: K rounded up to 64, padded with zeros): four
+ * consecutive k of a column are one 32-bit lane, so one vector holds LANES columns x 4 k, and 16 rows of a panel
+ * at one column tile are an AMX B tile. Three paths:
+ * - VNNI (vpdpbusd: 4 products u8 x s8 summed into an int32 lane): each row of x is split into I8_PARTS int8 parts,
+ *   x ~ s_1 q_1 + ... + s_P q_P with s_1 = max|x| / 127, s_j+1 = s_j / 254 and q_j the rounded remainder, so
+ *   |x - sum| <= s_P / 2 (P = 3: max|x| / 16.4e6, below fp32's own rounding of the products). Parts are stored as
+ *   u8 = q + 128: sum_k u8 * w = sum_k q * w + 128 * colsum[n] (stored with the panels, times 128), and
+ *   y = scale * (s_1 (acc_1 - colsum) + ... + s_P (acc_P - colsum)) + bias. The int32 sums are exact (|w| <= 128,
+ *   u8 <= 255, KP <= I8_MAX_K), so every path that sums them (VNNI, AMX) gives the same values, and each row's
+ *   values do not depend on the other rows of the call.
+ * - AMX (tdpbusd on tiles: 16 x 64 u8 by 64 x 16 s8), where the CPU and the kernel allow it, for calls of
+ *   AMX_MIN_ROWS rows or more: the same parts and sums as VNNI, so the same values.
  * - without VNNI (or forced, lp_int8_force): each weight converted to fp32 in registers, multiplied by x in fp32
  *   (FMA), y = scale * sum + bias: weight-only, x . W up to fp32 rounding. */
 #define I8_MAX_K (1 << 16)
+#define I8_KP(k) (((k) + 63) & ~(int64_t)63)
 enum { LP_F32 = 0, LP_F16 = 1, LP_I8 = 2 };
-enum { I8_NONE = 0, I8_CVT = 1, I8_VNNI = 2 };
+enum { I8_NONE = 0, I8_CVT = 1, I8_VNNI = 2, I8_AMX = 3 };
 #ifndef I8_PARTS
-#define I8_PARTS 3 /* int8 parts of each activation on the VNNI path (2 or 3; decision 071) */
+#define I8_PARTS 3 /* int8 parts of each activation (1..3; decision 071: 3 is exact to fp32 rounding) */
+#endif
+#define AMX_REAL (16 / I8_PARTS)     /* rows of x in an AMX A tile: their parts are its rows */
+#define AMX_ROWS (AMX_REAL * I8_PARTS) /* rows of an A / C tile */
+#define I8_PAD_ROWS (2 * AMX_REAL)    /* quantized rows are padded to a multiple of this (two A tiles a step) */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 2 /* one row: VNNI reads the weights as fast, without the tiles' padding */
 #endif
 
 typedef struct { /* one linear layer's weight as the GEMM reads it: panels of kind (LP_*) and, padded to the
@@ -489,13 +500,18 @@ static inline void vf_store_u8(uint8_t *p, vf integral) { /* integral values in 
 }
 #if defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
-#define I8_ROWS (I8_PARTS == 2 ? 3 : 2) /* rows of a VNNI tile: parts x rows x 4 vectors of sums in registers */
+#define I8_ROWS (6 / I8_PARTS) /* rows of a VNNI tile: parts x rows x 4 vectors of sums in registers */
 static inline vi vi_bcast4(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
 static inline vi vi_dpbusd(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #else
 typedef __m256i vi;
@@ -524,34 +540,58 @@ static inline vi vi_dpbusd(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi3
 #endif
 #endif
 
-/* The best int8 path built here, and the one taken (at most lp_int8_force's level; tests force the fallback). */
-#if defined(HAVE_VNNI)
-#define I8_BEST I8_VNNI
-#elif defined(LANES)
-#define I8_BEST I8_CVT
-#else
-#define I8_BEST I8_NONE
+#ifdef HAVE_AMX
+/* Whether this process may use the AMX tiles: Linux grants the tile data state on request (once a process). */
+static int amx_allowed(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
 #endif
-static int lp_int8_level = I8_BEST;
-int lp_int8_isa(void) { return lp_int8_level; }
-/* Cap the int8 path at level (I8_CVT: the fp32 fallback; I8_VNNI or more: the best built); returns the path. */
-int lp_int8_force(int level) {
-    lp_int8_level = level < I8_BEST ? (level > I8_CVT ? level : I8_CVT) : I8_BEST;
-    if (I8_BEST == I8_NONE) lp_int8_level = I8_NONE;
+
+/* The best int8 path here (AMX only where the kernel grants it), and the one taken: at most lp_int8_force's level,
+ * so tests and benchmarks can take each path. -1: not yet decided. */
+static int lp_int8_best = -1, lp_int8_level = -1;
+
+static int int8_best(void) {
+    if (lp_int8_best < 0) {
+#if defined(HAVE_AMX)
+        lp_int8_best = amx_allowed() ? I8_AMX : I8_VNNI;
+#elif defined(HAVE_VNNI)
+        lp_int8_best = I8_VNNI;
+#elif defined(LANES)
+        lp_int8_best = I8_CVT;
+#else
+        lp_int8_best = I8_NONE;
+#endif
+    }
+    return lp_int8_best;
+}
+
+int lp_int8_isa(void) {
+    if (lp_int8_level < 0) lp_int8_level = int8_best();
     return lp_int8_level;
 }
 
-/* Bytes of scratch the VNNI path needs for m rows of k: each row's I8_PARTS u8 rows, then its I8_PARTS scales. */
+/* Cap the int8 path at level (I8_CVT: the fp32 fallback; I8_VNNI; I8_AMX or more: the best here); returns the
+ * path taken. */
+int lp_int8_force(int level) {
+    const int best = int8_best();
+    lp_int8_level = best == I8_NONE ? I8_NONE : level < I8_CVT ? I8_CVT : level < best ? level : best;
+    return lp_int8_level;
+}
+
+/* Bytes of scratch the VNNI and AMX paths need for m rows of k: the rows (padded to I8_PAD_ROWS) of I8_PARTS u8
+ * rows of KP bytes each, then each row's I8_PARTS scales. */
 static inline int64_t i8_scratch_bytes(int64_t m, int64_t k) {
-    return m * I8_PARTS * (((k + 3) & ~(int64_t)3) + (int64_t)sizeof(float));
+    const int64_t rows = (m + I8_PAD_ROWS - 1) / I8_PAD_ROWS * I8_PAD_ROWS;
+    return rows * I8_PARTS * (I8_KP(k) + (int64_t)sizeof(float));
 }
 
 #ifdef HAVE_VNNI
-/* Row x (k floats) as I8_PARTS u8 rows into xq [I8_PARTS][k4] (pad: 128, i.e. 0) and their scales into s: part j
- * holds round(r_j / s_j) of the remainder r_j = x - sum of the parts before it, s_1 = max|x| / 127, s_j+1 = s_j / 254
- * (|r_j| <= s_j * 127: no part saturates). A row holding a NaN or an infinity gets NaN scales (its outputs are NaN);
- * a zero row zero scales. */
-static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, float *s) {
+/* Row x (k floats) as I8_PARTS u8 rows of kp bytes into xq (pad: 128, i.e. 0) and their scales into s: part j
+ * holds round(r_j / s_j) of the remainder r_j = x - the parts before it (|r_j| <= s_j * 127: no part saturates).
+ * A row holding a NaN or an infinity gets NaN scales (its outputs are NaN); a zero row zero scales. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, uint8_t *xq, float *s) {
     float amax = 0.f, z = 0.f; /* z: NaN exactly when a value is not finite */
 #pragma omp simd reduction(max : amax) reduction(+ : z)
     for (int64_t i = 0; i < k; i++) {
@@ -560,7 +600,7 @@ static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, flo
         z += x[i] * 0.f;
     }
     if (z != z || amax == 0.f) {
-        memset(xq, 128, (size_t)(I8_PARTS * k4));
+        memset(xq, 128, (size_t)(I8_PARTS * kp));
         for (int j = 0; j < I8_PARTS; j++) s[j] = z == z ? 0.f : NAN;
         return;
     }
@@ -574,7 +614,7 @@ static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, flo
             for (int j = 0; j < I8_PARTS; j++) {
                 double q = nearbyint(r / sd[j]);
                 q = q < -127 ? -127 : q > 127 ? 127 : q;
-                xq[j * k4 + i] = (uint8_t)(q + 128);
+                xq[j * kp + i] = (uint8_t)(q + 128);
                 r -= q * sd[j];
             }
         }
@@ -588,7 +628,7 @@ static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, flo
             vf r = vf_load(x + i);
             for (int j = 0; j < I8_PARTS; j++) {
                 const vf q = vf_min(vf_max(vf_round(vf_mul(r, inv[j])), bottom), top);
-                vf_store_u8(xq + j * k4 + i, q);
+                vf_store_u8(xq + j * kp + i, q);
                 r = vf_fnmadd(q, sv[j], r);
             }
         }
@@ -597,55 +637,78 @@ static void quantize_row(const float *x, int64_t k, int64_t k4, uint8_t *xq, flo
             for (int j = 0; j < I8_PARTS; j++) {
                 float q = rintf(r * invs[j]);
                 q = q < -127.f ? -127.f : q > 127.f ? 127.f : q;
-                xq[j * k4 + i] = (uint8_t)((int)q + 128);
+                xq[j * kp + i] = (uint8_t)((int)q + 128);
                 r = fmaf(-q, s[j], r);
             }
         }
     }
-    for (int j = 0; j < I8_PARTS; j++) memset(xq + j * k4 + k, 128, (size_t)(k4 - k));
+    for (int j = 0; j < I8_PARTS; j++) memset(xq + j * kp + k, 128, (size_t)(kp - k));
 }
 
-/* rows (<= I8_ROWS) x NB outputs of one int8 panel from quantized rows (xq: [rows][I8_PARTS][k4], xs: their
- * scales [rows][I8_PARTS]); col0: the panel's first column (of the scales, column sums and bias). */
-static inline __attribute__((always_inline)) void i8_vnni_tile(const uint8_t *xq, int64_t k4, const float *xs,
-                                                                const int8_t *panel, const lp_weight *w,
-                                                                int64_t col0, float *y, int64_t y_stride,
-                                                                const int rows, int64_t cols) {
-    vi acc[I8_ROWS][I8_PARTS][PANEL_VECS];
+/* m rows of x quantized into scratch: rows of I8_PARTS x kp bytes (then pad rows up to I8_PAD_ROWS), then the
+ * scales [rows][I8_PARTS]. */
+static void quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, void *scratch, uint8_t **xq,
+                          float **xs) {
+    const int64_t kp = I8_KP(k), rows = (m + I8_PAD_ROWS - 1) / I8_PAD_ROWS * I8_PAD_ROWS;
+    *xq = (uint8_t *)scratch;
+    *xs = (float *)(*xq + rows * I8_PARTS * kp);
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, kp, *xq + r * I8_PARTS * kp, *xs + r * I8_PARTS);
+    memset(*xq + m * I8_PARTS * kp, 128, (size_t)((rows - m) * I8_PARTS * kp));
+}
+
+/* out[0..LANES) of one row: scale * (sum over parts of s_j * (acc_j - colsum)) + bias, at column c of the weight
+ * (the same order of operations on every path that sums the parts in int32). */
+static inline __attribute__((always_inline)) vf i8_combine(const vi *acc, const float *s, const lp_weight *w,
+                                                            int64_t c) {
+    const vi cs = vi_load(w->colsum + c);
+    vf t = vf_mul(vi_float(vi_sub(acc[0], cs)), vf_set(s[0]));
+    for (int q = 1; q < I8_PARTS; q++) t = vf_add(t, vf_mul(vi_float(vi_sub(acc[q], cs)), vf_set(s[q])));
+    const vf o = vf_mul(t, vf_load(w->scale + c));
+    return w->bias ? vf_add(o, vf_load(w->bias + c)) : o;
+}
+
+/* rows (<= I8_ROWS) x NB outputs of one int8 panel from quantized rows (xq: [rows][I8_PARTS][kp], xs: their
+ * scales [rows][I8_PARTS]) over k4 = K rounded up to 4; col0: the panel's first column. */
+static inline __attribute__((always_inline)) void i8_vnni_tile(const uint8_t *xq, int64_t k4, int64_t kp,
+                                                                const float *xs, const int8_t *panel,
+                                                                const lp_weight *w, int64_t col0, float *y,
+                                                                int64_t y_stride, const int rows, int64_t cols) {
+    vi acc[I8_ROWS][PANEL_VECS][I8_PARTS];
     for (int r = 0; r < rows; r++)
-        for (int q = 0; q < I8_PARTS; q++)
-            for (int v = 0; v < PANEL_VECS; v++) acc[r][q][v] = vi_zero();
+        for (int v = 0; v < PANEL_VECS; v++)
+            for (int q = 0; q < I8_PARTS; q++) acc[r][v][q] = vi_zero();
     for (int64_t g = 0; g < k4; g += 4) {
         vi wv[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) wv[v] = vi_load(panel + g * NB + v * LANES * 4);
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < I8_PARTS; q++) {
-                const vi xb = vi_bcast4(xq + (I8_PARTS * r + q) * k4 + g);
-                for (int v = 0; v < PANEL_VECS; v++) acc[r][q][v] = vi_dpbusd(acc[r][q][v], xb, wv[v]);
+                const vi xb = vi_bcast4(xq + (I8_PARTS * r + q) * kp + g);
+                for (int v = 0; v < PANEL_VECS; v++) acc[r][v][q] = vi_dpbusd(acc[r][v][q], xb, wv[v]);
             }
     }
     float buf[NB];
     for (int r = 0; r < rows; r++) {
         float *out = cols == NB ? y + r * y_stride : buf;
-        for (int v = 0; v < PANEL_VECS; v++) {
-            const vi cs = vi_load(w->colsum + col0 + v * LANES);
-            vf t = vf_mul(vi_float(vi_sub(acc[r][0][v], cs)), vf_set(xs[I8_PARTS * r]));
-            for (int q = 1; q < I8_PARTS; q++)
-                t = vf_add(t, vf_mul(vi_float(vi_sub(acc[r][q][v], cs)), vf_set(xs[I8_PARTS * r + q])));
-            const vf o = vf_mul(t, vf_load(w->scale + col0 + v * LANES));
-            vf_store(out + v * LANES, w->bias ? vf_add(o, vf_load(w->bias + col0 + v * LANES)) : o);
-        }
+        for (int v = 0; v < PANEL_VECS; v++)
+            vf_store(out + v * LANES, i8_combine(acc[r][v], xs + I8_PARTS * r, w, col0 + v * LANES));
         if (cols != NB) memcpy(y + r * y_stride, buf, (size_t)cols * sizeof(float));
     }
 }
 
-static void i8_vnni_panel(const uint8_t *xq, int64_t k4, const float *xs, const int8_t *panel, const lp_weight *w,
+static void i8_vnni_panel(const uint8_t *xq, int64_t k, const float *xs, const int8_t *panel, const lp_weight *w,
                           int64_t col0, float *y, int64_t y_stride, int64_t m, int64_t cols) {
-#define TILE(R)                                                                                         \
-    i8_vnni_tile(xq + I8_PARTS * r * k4, k4, xs + I8_PARTS * r, panel, w, col0, y + r * y_stride, y_stride, R, cols)
+    const int64_t k4 = (k + 3) & ~(int64_t)3, kp = I8_KP(k);
+#define TILE(R)                                                                                                 \
+    i8_vnni_tile(xq + I8_PARTS * r * kp, k4, kp, xs + I8_PARTS * r, panel, w, col0, y + r * y_stride, y_stride, R, \
+                 cols)
     int64_t r = 0;
     for (; r + I8_ROWS <= m; r += I8_ROWS) TILE(I8_ROWS);
     switch (m - r) {
+#if I8_ROWS > 5
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
+#endif
 #if I8_ROWS > 2
         case 2: TILE(2); break;
 #endif
@@ -658,6 +721,94 @@ static void i8_vnni_panel(const uint8_t *xq, int64_t k4, const float *xs, const 
 }
 #endif
 
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles 0-3: sums C[row block b][column tile c] at 2b + c (AMX_ROWS x 16 int32); 4, 5: the two row blocks' parts
+ * (A: AMX_ROWS x 64 u8); 6, 7: two column tiles of the panel (B: 16 rows of 4 k x 16 columns). */
+static void amx_load_config(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = t < 6 ? AMX_ROWS : 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* The rows of one C tile (row block starting at row r0 of x, 16 columns at c of the panel) combined into y. */
+static void amx_store(const int32_t *sums, const float *xs, const lp_weight *w, int64_t col0, int64_t c, float *y,
+                      int64_t y_stride, int64_t r0, int64_t m, int64_t cols) {
+    if (c >= cols) return;
+    const __mmask16 keep = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
+    for (int64_t i = 0; i < AMX_REAL && r0 + i < m; i++) {
+        vi acc[I8_PARTS];
+        for (int q = 0; q < I8_PARTS; q++) acc[q] = vi_load(sums + (I8_PARTS * i + q) * 16);
+        _mm512_mask_storeu_ps(y + (r0 + i) * y_stride + c, keep,
+                              i8_combine(acc, xs + I8_PARTS * (r0 + i), w, col0 + c));
+    }
+}
+
+/* All m rows x NB outputs of one int8 panel on the AMX tiles: two row blocks (2 * AMX_REAL rows of x) by two
+ * column tiles a step, or the last row block alone by all four, over KP in 64-byte steps (the pad rows of the
+ * scratch make every A tile whole). */
+static void i8_amx_panel(const uint8_t *xq, int64_t k, const float *xs, const int8_t *panel, const lp_weight *w,
+                         int64_t col0, float *y, int64_t y_stride, int64_t m, int64_t cols) {
+    const int64_t kp = I8_KP(k), a_stride = kp, b_stride = NB * 4;
+    int32_t sums[4][AMX_ROWS * 16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < m; r0 += 2 * AMX_REAL) {
+        const uint8_t *a0 = xq + r0 * I8_PARTS * kp, *a1 = a0 + AMX_ROWS * kp;
+        if (m - r0 <= AMX_REAL) { /* one row block left: C tiles 0-3 are its four column tiles */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < kp; g += 64) {
+                _tile_loadd(4, a0 + g, a_stride);
+                _tile_loadd(6, panel + g * NB, b_stride);
+                _tile_loadd(7, panel + g * NB + 64, b_stride);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_loadd(6, panel + g * NB + 128, b_stride);
+                _tile_loadd(7, panel + g * NB + 192, b_stride);
+                _tile_dpbusd(2, 4, 6);
+                _tile_dpbusd(3, 4, 7);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+            for (int t = 0; t < 4; t++) amx_store(sums[t], xs, w, col0, 16 * t, y, y_stride, r0, m, cols);
+            break;
+        }
+        for (int c = 0; c < NB && c < cols; c += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < kp; g += 64) {
+                _tile_loadd(4, a0 + g, a_stride);
+                _tile_loadd(6, panel + g * NB + c * 4, b_stride);
+                _tile_loadd(7, panel + g * NB + (c + 16) * 4, b_stride);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_loadd(5, a1 + g, a_stride);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+            for (int t = 0; t < 4; t++)
+                amx_store(sums[t], xs, w, col0, c + 16 * (t % 2), y, y_stride, r0 + AMX_REAL * (t / 2), m, cols);
+        }
+    }
+}
+#endif
+
 #ifdef LANES
 /* rows (<= TILE_ROWS) x NB outputs of one int8 panel, weights converted to fp32 (the path without VNNI). */
 static inline __attribute__((always_inline)) void i8_cvt_tile(const float *x, int64_t x_stride, const int8_t *panel,
@@ -666,14 +817,14 @@ static inline __attribute__((always_inline)) void i8_cvt_tile(const float *x, in
     vf acc[TILE_ROWS][PANEL_VECS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_zero();
-#define STEP(G, J)                                                                         \
-    do {                                                                                   \
-        vf wf[PANEL_VECS];                                                                 \
+#define STEP(G, J)                                                                                      \
+    do {                                                                                                \
+        vf wf[PANEL_VECS];                                                                              \
         for (int v = 0; v < PANEL_VECS; v++) wf[v] = VI_BYTE(vi_load(panel + (G) * NB + v * LANES * 4), J); \
-        for (int r = 0; r < rows; r++) {                                                   \
-            const vf xr = vf_bcast(x + r * x_stride + (G) + (J));                          \
-            for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_fma(xr, wf[v], acc[r][v]); \
-        }                                                                                  \
+        for (int r = 0; r < rows; r++) {                                                                \
+            const vf xr = vf_bcast(x + r * x_stride + (G) + (J));                                       \
+            for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = vf_fma(xr, wf[v], acc[r][v]);              \
+        }                                                                                               \
     } while (0)
     const int64_t full = k & ~(int64_t)3;
     for (int64_t g = 0; g < full; g += 4) {
@@ -719,47 +870,59 @@ static void i8_cvt_panel(const float *x, int64_t x_stride, const int8_t *panel, 
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T + bias, W any lp_weight. With several
  * threads (lp_threads) the panels of a large weight (256K+ elements, or 4M+ products) are handed out one at a
  * time: a thread that loses its core to another process delays only the panel it holds, not a fixed share (the
- * barrier of a static split waits for the slowest). scratch: i8_scratch_bytes(m, k) bytes for the VNNI path's
+ * barrier of a static split waits for the slowest). scratch: i8_scratch_bytes(m, k) bytes for the int8 paths'
  * quantized rows (NULL: allocated here). Returns 0, or -2 when memory ran out. */
 static int gemm(const float *x, int64_t x_stride, const lp_weight *w, float *y, int64_t y_stride, int64_t m,
                 int64_t n, int64_t k, void *scratch) {
+    (void)scratch; /* unused without VNNI */
 #ifdef LANES
-    const int64_t num_panels = (n + NB - 1) / NB, k4 = (k + 3) & ~(int64_t)3;
-    const int kind = (int)w->kind;
-    const int64_t panel_bytes = kind == LP_I8 ? k4 * NB : k * NB * (kind == LP_F16 ? 2 : 4);
-    const uint8_t *xq = NULL;
-    const float *xs = NULL;
+    const int64_t num_panels = (n + NB - 1) / NB;
+    const int kind = (int)w->kind, level = kind == LP_I8 ? lp_int8_isa() : I8_NONE;
+    const int64_t panel_bytes = kind == LP_I8 ? I8_KP(k) * NB : k * NB * (kind == LP_F16 ? 2 : 4);
+    uint8_t *xq = NULL;
+    float *xs = NULL;
     void *own = NULL;
 #ifdef HAVE_VNNI
-    const int vnni = kind == LP_I8 && lp_int8_level >= I8_VNNI;
-    if (vnni) {
+    if (level >= I8_VNNI) {
         if (!scratch) scratch = own = malloc((size_t)i8_scratch_bytes(m, k));
         if (!scratch) return -2;
-        float *s = (float *)scratch;
-        uint8_t *q = (uint8_t *)(s + I8_PARTS * m);
-        for (int64_t r = 0; r < m; r++)
-            quantize_row(x + r * x_stride, k, k4, q + I8_PARTS * r * k4, s + I8_PARTS * r);
-        xq = q, xs = s;
+        quantize_rows(x, x_stride, m, k, scratch, &xq, &xs);
     }
-#else
-    const int vnni = 0;
 #endif
-    (void)xq, (void)xs;
-#pragma omp parallel for num_threads(lp_threads()) schedule(dynamic, 1) \
-    if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
-    for (int64_t p = 0; p < num_panels; p++) {
-        const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
-        const void *panel = (const char *)w->w + p * panel_bytes;
-        float *yp = y + p * NB;
-        if (vnni) {
+    const int amx = level >= I8_AMX && m >= AMX_MIN_ROWS;
+    (void)xq, (void)xs, (void)amx;
+#pragma omp parallel num_threads(lp_threads()) if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
+    {
+#ifdef HAVE_AMX
+        if (amx) amx_load_config(); /* each thread's tiles */
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const int64_t cols = n - p * NB < NB ? n - p * NB : NB;
+            const void *panel = (const char *)w->w + p * panel_bytes;
+            float *yp = y + p * NB;
+#ifdef HAVE_AMX
+            if (amx) {
+                i8_amx_panel(xq, k, xs, (const int8_t *)panel, w, p * NB, yp, y_stride, m, cols);
+                continue;
+            }
+#endif
 #ifdef HAVE_VNNI
-            i8_vnni_panel(xq, k4, xs, (const int8_t *)panel, w, p * NB, yp, y_stride, m, cols);
+            if (level >= I8_VNNI) {
+                i8_vnni_panel(xq, k, xs, (const int8_t *)panel, w, p * NB, yp, y_stride, m, cols);
+                continue;
+            }
 #endif
-        } else if (kind == LP_I8)
-            i8_cvt_panel(x, x_stride, (const int8_t *)panel, k, w, p * NB, yp, y_stride, m, cols);
-        else
-            (kind == LP_F16 ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k, w->bias ? w->bias + p * NB : NULL,
-                                                              yp, y_stride, m, cols);
+            if (kind == LP_I8)
+                i8_cvt_panel(x, x_stride, (const int8_t *)panel, k, w, p * NB, yp, y_stride, m, cols);
+            else
+                (kind == LP_F16 ? gemm_panel_f16 : gemm_panel_f32)(x, x_stride, panel, k,
+                                                                  w->bias ? w->bias + p * NB : NULL, yp, y_stride, m,
+                                                                  cols);
+        }
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(own);
 #else
@@ -790,6 +953,7 @@ int lp_gemm_i8(const float *x, int64_t x_stride, const int8_t *panels, const flo
 
 int lp_int8_max_k(void) { return I8_MAX_K; }
 int lp_int8_parts(void) { return I8_PARTS; }
+int lp_int8_amx_min_rows(void) { return AMX_MIN_ROWS; }
 
 int lp_max_head_dim(void) { return MAX_HEAD_DIM; }
 

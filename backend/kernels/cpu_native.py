@@ -51,6 +51,7 @@ SIGNATURES = {  # C entry point -> (argument types, return type)
     "lp_int8_force": ([ctypes.c_int], ctypes.c_int),
     "lp_int8_max_k": ([], ctypes.c_int),
     "lp_int8_parts": ([], ctypes.c_int),
+    "lp_int8_amx_min_rows": ([], ctypes.c_int),
     "lp_max_head_dim": ([], ctypes.c_int),
     "lp_set_threads": ([ctypes.c_int], None),
     "lp_threads": ([], ctypes.c_int),
@@ -225,8 +226,9 @@ def advance_decode(positions, slot_mapping, context_lens, block_tables, block_si
         raise IndexError("advance_decode: a position's block is past its block table")
 
 
-# the int8 GEMM's paths (lp_int8_isa): none (no vector path), weights converted to fp32, VNNI
-INT8_NONE, INT8_CVT, INT8_VNNI = 0, 1, 2
+# the int8 GEMM's paths (lp_int8_isa): none (no vector path), weights converted to fp32, VNNI, AMX (from
+# lp_int8_amx_min_rows rows a call; VNNI below), the most this CPU and kernel allow unless force_int8_isa caps it
+INT8_NONE, INT8_CVT, INT8_VNNI, INT8_AMX = 0, 1, 2, 3
 KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # Panels.kind -> lp_weight.kind
 
 
@@ -240,7 +242,7 @@ def _padded(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tens
 
 class Panels:
     """A linear layer's weight [N, K] for the native GEMM, its ``kind`` fp16, fp32 or int8: N / NB panels (N padded
-    with zero rows), one contiguous stream each ([K, NB]; int8: [K4 / 4, NB, 4], K padded to K4, a multiple of 4),
+    with zero rows), one contiguous stream each ([K, NB]; int8: [KP / 4, NB, 4], K padded to KP, a multiple of 64),
     and its bias in fp32 padded the same way (or None); int8 also has its per-row scale (fp32) and 128 * its row
     sums (int32), padded."""
 
@@ -269,11 +271,11 @@ class Panels:
         n, k = qweight.shape
         if k > lib.lp_int8_max_k():
             raise ValueError(f"int8 panels: in_features {k} is past the int8 GEMM's {lib.lp_int8_max_k()}")
-        rows, k4 = -(-n // width) * width, -(-k // 4) * 4
-        padded = torch.zeros(rows, k4, dtype=torch.int8)
+        rows, kp = -(-n // width) * width, -(-k // 64) * 64
+        padded = torch.zeros(rows, kp, dtype=torch.int8)
         padded[:n, :k] = qweight
         self = cls.__new__(cls)
-        self.panels = padded.view(rows // width, width, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.panels = padded.view(rows // width, width, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
         self.out_features, self.in_features, self.kind = n, k, torch.int8
         self.bias, self.scale = _padded(bias, rows, torch.float32), _padded(scale, rows, torch.float32)
         self.colsum = _padded(qweight.sum(1, dtype=torch.int32) * 128, rows, torch.int32)
@@ -287,15 +289,15 @@ def panels_native() -> bool:
 
 
 def int8_isa() -> int:
-    """The int8 GEMM's path now: INT8_VNNI, INT8_CVT (weights converted to fp32) or INT8_NONE (no library or no
-    vector path)."""
+    """The int8 GEMM's path now: INT8_AMX, INT8_VNNI, INT8_CVT (weights converted to fp32) or INT8_NONE (no library
+    or no vector path)."""
     lib = library()
     return lib.lp_int8_isa() if lib is not None else INT8_NONE
 
 
 def force_int8_isa(level: int) -> int:
-    """Cap the int8 GEMM's path at level (process-wide; INT8_CVT forces the fallback, INT8_VNNI or more restores
-    the best built here); returns the path taken."""
+    """Cap the int8 GEMM's path at level (process-wide; INT8_CVT forces the fallback, INT8_VNNI keeps AMX off,
+    INT8_AMX or more restores the best here); returns the path taken."""
     lib = library()
     return lib.lp_int8_force(level) if lib is not None else INT8_NONE
 

@@ -21,10 +21,11 @@ from loraplex.kernels import cpu_native, dispatch, reference
 
 pytestmark = pytest.mark.skipif(dispatch.MODE != "auto" or cpu_native.int8_isa() == cpu_native.INT8_NONE,
                                 reason="no native int8 GEMM (LORAPLEX_KERNELS not auto, no compiler or no vector path)")
-PATHS = {"vnni": cpu_native.INT8_VNNI, "cvt": cpu_native.INT8_CVT}
+PATHS = {"amx": cpu_native.INT8_AMX, "vnni": cpu_native.INT8_VNNI, "cvt": cpu_native.INT8_CVT}
 # (rows, in_features, out_features): tails of k (not a multiple of 4, 32 or 64), partial panels, odd N, N = 1
+# and rows below, at and past AMX's whole tiles (AMX serves calls of lp_int8_amx_min_rows rows or more)
 SHAPES = [(1, 64, 64), (1, 577, 130), (2, 3, 1), (3, 70, 33), (4, 1, 65), (5, 130, 129), (7, 255, 63),
-          (16, 96, 200), (64, 577, 130)]
+          (10, 64, 64), (16, 96, 200), (23, 130, 17), (64, 577, 130)]
 
 
 @pytest.fixture(params=list(PATHS))
@@ -50,7 +51,7 @@ def check(got, x, q, scale, bias, path, lib=None):
     x = x.double()
     want = x @ w.T + (0 if bias is None else bias.double())
     tol = (x.shape[1] + 4) * 2.0**-23 * (x.abs() @ w.abs().T) + 1e-30
-    if path == "vnni":
+    if path in ("vnni", "amx"):
         parts = (lib or cpu_native.library()).lp_int8_parts()
         tol += x.abs().amax(1, keepdim=True) / (2 * 127 * 254 ** (parts - 1)) * w.abs().sum(1)[None]
     err = (got.double() - want).abs()
@@ -289,3 +290,16 @@ def test_decode_forward_paths_agree_within_the_tolerance():
     finally:
         cpu_native.force_int8_isa(best)
     assert 0 < (outs[0] - outs[1]).abs().max() < 1e-5 * outs[1].abs().max()
+
+
+def test_each_rows_values_do_not_depend_on_the_call():
+    """A row gives the same values alone (VNNI) and among 23 rows (AMX where the CPU has it, VNNI otherwise):
+    the int32 sums are exact on both, so a batch's composition never changes a row's output."""
+    if cpu_native.int8_isa() < cpu_native.INT8_VNNI:
+        pytest.skip("no VNNI here")
+    gen = torch.Generator().manual_seed(18)
+    q, scale, bias = int8_layer(200, 577, gen)
+    packed = kernels.linear_pack_int8(q, scale, bias)
+    x = torch.randn(23, 577, generator=gen)
+    together = kernels.packed_linear(x, packed)
+    assert all(torch.equal(together[i], kernels.packed_linear(x[i:i + 1], packed)[0]) for i in (0, 5, 22))
