@@ -21,7 +21,7 @@ import os
 import torch
 
 from loraplex.kernels import cpu_native, preconditions, reference
-from loraplex.kernels.preconditions import DECODE, OPS, PREFILL, KernelShapes
+from loraplex.kernels.preconditions import DECODE, OPS, PREFILL, QUANT, KernelShapes
 from loraplex.kernels.prefill_sdpa import paged_attention_prefill_sdpa
 from loraplex.kernels.runners import runner_for
 
@@ -32,10 +32,11 @@ OP_OF = {
     "lora_shrink_bgmv": "lora", "lora_expand_bgmv": "lora", "lora_shrink_sgmv": "lora", "lora_expand_sgmv": "lora",
     "lora_shrink_bgmv_group": "lora", "lora_expand_bgmv_group": "lora",
     "write_kv": "write_kv", "copy_blocks": "copy_blocks", DECODE: DECODE, PREFILL: PREFILL,
+    "fp8_linear": QUANT, "w4a16_linear": QUANT,
 }
 LAUNCHER_MODULE = {
     "lora": "lora_launch", "write_kv": "cache_launch", "copy_blocks": "cache_launch",
-    DECODE: "decode_launch", PREFILL: "prefill_launch",
+    DECODE: "decode_launch", PREFILL: "prefill_launch", QUANT: "quant_launch",
 }
 
 
@@ -71,7 +72,7 @@ def call_shapes(op: str, args: tuple) -> KernelShapes:
     """What op's preconditions look at, from its call's arguments (the reference's order)."""
     first = args[0]
     cap = capability(first.device)
-    if op == "lora":
+    if op in ("lora", QUANT):
         return KernelShapes(first.dtype, capability=cap)
     if op in ("write_kv", "copy_blocks"):  # cache [..., Hkv, D]
         return KernelShapes(first.dtype, first.shape[-1], 0, first.shape[-2], cap)

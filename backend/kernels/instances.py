@@ -13,6 +13,10 @@ HEAD_DIMS = (32, 64, 128, 256)
 QUERIES_PER_BLOCK = (1, 2, 4, 8)
 COPY_UNITS = {2: "unsigned short", 4: "unsigned int", 16: "lp_u128"}
 INDEX_TYPES = {torch.int32: "int", torch.int64: "long long"}
+QUANT_GEMV_ROWS = (1, 8)  # rows of x per GEMV block: 1, or up to 8 (fewer skip their work)
+# (activation dtype, INT4 scale dtype) pairs instantiated; other scale dtypes are read as float32
+QUANT_SCALE_TYPES = tuple((dt, s) for dt in (torch.float16, torch.bfloat16) for s in C_TYPES) + (
+    (torch.float32, torch.float32),)
 BGMV_TILES = (4, 1)  # tokens per block of the BGMV kernels: 4 the default; gpu_kernels.py measures 1 beside it
 
 
@@ -60,6 +64,17 @@ def cache_name(kernel: str, unit_bytes: int, index_dtype: torch.dtype) -> str:
     return f"{kernel}<{COPY_UNITS[unit_bytes]}, {INDEX_TYPES[index_dtype]}>"
 
 
+def quant_format(method: str, scale_dtype: torch.dtype | None = None) -> str:
+    """C++ weight format of quant_linear.cu: Fp8Weights, or Int4Weights<scale type>."""
+    return "Fp8Weights" if method == "fp8" else f"Int4Weights<{c_type(scale_dtype)}>"
+
+
+def quant_name(kernel: str, dtype: torch.dtype, fmt: str, rows: int | None = None) -> str:
+    """Name expression of a quantized-linear kernel (quant_gemv with its rows of x per block, quant_gemm,
+    quant_dequant) for activations of dtype and the weight format fmt (quant_format)."""
+    return f"{kernel}<{c_type(dtype)}, {fmt}{'' if rows is None else f', {rows}'}>"
+
+
 def _lora() -> tuple[str, ...]:
     kernels = ("shrink_bgmv", "shrink_sgmv", "expand_bgmv", "expand_sgmv", "shrink_bgmv_group", "expand_bgmv_group",
                "shrink_bgmv_split")
@@ -80,6 +95,14 @@ def _prefill() -> tuple[str, ...]:
     return tuple(prefill_name(dt, d) for dt, d in itertools.product(C_TYPES, HEAD_DIMS))
 
 
+def _quant() -> tuple[str, ...]:
+    fp8 = [(dt, quant_format("fp8")) for dt in C_TYPES]
+    int4 = [(dt, quant_format("int4", s)) for dt, s in QUANT_SCALE_TYPES]
+    names = [quant_name("quant_gemv", dt, fmt, rows) for dt, fmt in fp8 + int4 for rows in QUANT_GEMV_ROWS]
+    names += [quant_name("quant_gemm", dt, fmt) for dt, fmt in fp8 + int4 if dt != torch.float32]
+    return tuple(names + [quant_name("quant_dequant", dt, fmt) for dt, fmt in fp8 + int4])
+
+
 def _cache() -> tuple[str, ...]:
     return tuple(
         cache_name(k, u, ix)
@@ -94,5 +117,6 @@ FAMILIES = {
         Family("decode", "paged_attention_decode.cu", _decode()),
         Family("prefill", "paged_attention_prefill.cu", _prefill()),
         Family("cache", "cache_ops.cu", _cache()),
+        Family("quant", "quant_linear.cu", _quant()),
     )
 }

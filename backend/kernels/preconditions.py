@@ -16,7 +16,9 @@ from loraplex.kernels.instances import C_TYPES, HEAD_DIMS
 
 PREFILL = "paged_attention_prefill"
 DECODE = "paged_attention_decode"
+QUANT = "quant"  # fp8_linear, w4a16_linear: called only for quantized weights, so not in OPS (check_model)
 OPS = ("lora", "write_kv", "copy_blocks", DECODE, PREFILL)
+MMA_CAPABILITY = (8, 0)  # quant_linear.cu's GEMM: mma.sync m16n8k16 in float16 and bfloat16
 BF16_CAPABILITY = (8, 0)  # dtypes.h converts to bfloat16 with cvt.rn.bf16.f32 (PTX, sm_80+)
 COPY_UNIT_BYTES = 2  # cache_ops.cu moves rows in units of 2, 4 or 16 bytes
 
@@ -46,6 +48,13 @@ def _dtype(s: KernelShapes):
     return None
 
 
+def _mma(s: KernelShapes):
+    if s.capability is None or tuple(s.capability) >= MMA_CAPABILITY:
+        return None
+    major, minor = s.capability
+    return f"compute capability {major}.{minor}", "compute capability 8.0 or newer"
+
+
 def _head_dim(s: KernelShapes):
     return None if s.head_dim in HEAD_DIMS else (f"head_dim {s.head_dim}", _either(HEAD_DIMS))
 
@@ -69,6 +78,7 @@ RULES = {
     "copy_blocks": (_copy_rows,),
     DECODE: (_dtype, _head_dim, _grouping),
     PREFILL: (_dtype, _head_dim, _grouping),
+    QUANT: (_dtype, _mma),
 }
 
 
