@@ -1,7 +1,7 @@
 """`make bench`: issue 11's AIPerf-measured goals in one run, each against what it asks, with plots and the
 generated head of docs/benchmarks.md.
 
-    python benchmarks/suite.py [--quick] [--parts w1,batching,prefix] [--json PATH]
+    python benchmarks/suite.py [--quick] [--parts w1,batching,prefix,families,quality,quantized] [--json PATH]
                                [--docs docs/benchmarks.md | --no-docs] [--plots-dir docs/bench]
 
 Parts, one server at a time, NVIDIA AIPerf the load generator (benchmarks/serving.py does the work):
@@ -15,6 +15,12 @@ Parts, one server at a time, NVIDIA AIPerf the load generator (benchmarks/servin
             to show a cache), two 512-token shared prefixes over its two adapters
   families  issue 40: each model family's decode step per active parameter against Llama's, and MoE against
             dense at equal active parameters, in-process (benchmarks/families.py)
+  quality   issue 41: SmolLM2's perplexity on a fixed public-domain text and greedy agreement, each weight format
+            (int8, fp8 per channel and per tensor, int4 in groups of 128) against fp32, through transformers on
+            the dequantized weights and through our engine (benchmarks/quantized_quality.py)
+  quantized issue 41: SmolLM2 through Triton, int8 against our fp16 (one stream; 16 streams of mixed adapters)
+            and against llama.cpp's q8_0 at equal threads (one stream), rounds alternated
+            (benchmarks/quantized.py)
 
 Then one table, goal by goal (asked, measured, met); plots drawn with matplotlib by AIPerf's virtualenv
 (which has it): output tokens/s and TTFT p99 against offered load, latency CDFs; and the section between
@@ -42,9 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import families  # noqa: E402
+import quantized  # noqa: E402
+import quantized_quality  # noqa: E402
 import serving  # noqa: E402
 
-PARTS = ("w1", "batching", "prefix", "families")
+PARTS = ("w1", "batching", "prefix", "families", "quality", "quantized")
 BEGIN = "<!-- make bench: begin (benchmarks/suite.py writes this section; edits inside it are lost) -->"
 END = "<!-- make bench: end -->"
 RATES, QUICK_RATES = (16.0, 32.0, 64.0, 96.0), (8.0, 16.0)
@@ -65,6 +73,7 @@ class Goal:
     number: str
     what: str
     asked: float
+    spec: str = "{:.2f}x"  # how the measured ratio is shown
 
 
 GOALS = {
@@ -78,6 +87,14 @@ GOALS = {
     # asked as "within 1.3x / 1.5x": the inverse ratios, so that at least is met
     "family": Goal("40", "Llama / the slowest family, decode step per active parameter", round(1 / 1.3, 2)),
     "moe": Goal("40", "dense / MoE at equal active parameters, decode step", round(1 / 1.5, 2)),
+    # perplexity asked as "within +1% / +5%": fp32's over the format's, so that at least is met
+    **{f"ppl-{name}": Goal("41", f"fp32 / {what} perplexity", round(1 / limit, 4), "{:.4f}")
+       for name, what, limit in (("int8", "int8", 1.01), ("fp8-channel", "fp8 per-channel", 1.01),
+                                 ("fp8-tensor", "fp8 per-tensor", 1.01), ("int4-g128", "int4 group-128", 1.05),
+                                 ("ours-int8", "our engine's int8", 1.01))},
+    "int8-fp16": Goal("41", "ours int8 / ours fp16, one stream, tok/s", 1.8),
+    "int8-llama": Goal("41", "ours int8 / llama.cpp q8_0 at equal threads, one stream, tok/s", 1.0),
+    "int8-fp16-mixed": Goal("41", "ours int8 / ours fp16, mixed-adapter streams, tok/s", 1.5),
 }
 
 
@@ -151,7 +168,24 @@ def run_families(args: argparse.Namespace, run_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-RUNNERS = {"w1": run_w1, "batching": run_batching, "prefix": run_prefix, "families": run_families}
+def run_quality(args: argparse.Namespace, run_dir: Path) -> dict:
+    """Issue 41: benchmarks/quantized_quality.py in its own process."""
+    out = run_dir / "quality.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantized_quality.py"), "--json", str(out),
+                    *(["--quick"] if args.quick else [])], check=True)
+    return json.loads(out.read_text())
+
+
+def run_quantized(args: argparse.Namespace, run_dir: Path) -> dict:
+    """Issue 41: benchmarks/quantized.py in its own process (its servers go with it)."""
+    out = run_dir / "quantized.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantized.py"), "--json", str(out),
+                    "--ready-timeout", str(args.ready_timeout), *(["--quick"] if args.quick else [])], check=True)
+    return json.loads(out.read_text())
+
+
+RUNNERS = {"w1": run_w1, "batching": run_batching, "prefix": run_prefix, "families": run_families,
+           "quality": run_quality, "quantized": run_quantized}
 
 
 # ---- goals -------------------------------------------------------------------------------------------------
@@ -205,6 +239,21 @@ def measured_goals(parts: dict) -> list[dict]:
         where = f"batch {', '.join(map(str, parts['families']['batches']))}, in-process"
         found["family"] = over(1.0, figures["worst_per_param"]), where
         found["moe"] = over(1.0, figures["moe_over_dense"]), where
+    if "quality" in parts:
+        q = parts["quality"]
+        where = f"{q['tokens']} tokens, window {q['window']}"
+        for row in q["rows"] + q["engine_rows"]:
+            key = "ppl-ours-int8" if row["model"].startswith("ours") and row["format"] == "int8" else \
+                f"ppl-{row['format']}" if row["model"] == "transformers" else None
+            if key in GOALS:
+                found[key] = over(1.0, row["ppl_ratio"]), where
+    if "quantized" in parts:
+        q = {g["key"]: g["ratio"] for g in parts["quantized"]["goals"]}
+        where = f"{parts['quantized']['model']}, median of {parts['quantized']['rounds']} rounds"
+        for key, name in (("int8-fp16", "single_vs_fp16"), ("int8-llama", "single_vs_llama"),
+                          ("int8-fp16-mixed", "mixed_vs_fp16")):
+            if q.get(name):
+                found[key] = q[name]["median"], where
     return [{"key": key, **dataclasses.asdict(GOALS[key]), "measured": value, "where": where,
              "met": value is not None and value >= GOALS[key].asked}
             for key, (value, where) in found.items()]
@@ -223,7 +272,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def goals_table(goals: list[dict]) -> str:
     return markdown_table(["goal", "ratio", "asked", "measured", "where", "met"],
-                          [[g["number"], g["what"], f"at least {g['asked']:g}", fmt(g["measured"]), g["where"],
+                          [[g["number"], g["what"], f"at least {g['asked']:g}",
+                            fmt(g["measured"], g.get("spec", "{:.2f}x")), g["where"],
                             "**yes**" if g["met"] else "no"] for g in goals])
 
 
@@ -289,6 +339,25 @@ def report_markdown(report: dict, plots: list[str]) -> str:
         text, _ = families.summary(parts["families"]["rows"], parts["families"]["batches"])
         out += ["### Model families (issue 40)", "",
                 "Decode step per family in-process on SmolLM2's shape (`benchmarks/families.py`).", "", text, ""]
+    if "quality" in parts:
+        q = parts["quality"]
+        out += ["### Quantized bases: quality (issue 41)", "",
+                f"Perplexity on `{q['text']}` ({q['tokens']} tokens, window {q['window']}, stride {q['stride']}) and "
+                f"greedy agreement ({q['prompts']} excerpts of {q['prompt_tokens']} tokens, {q['greedy_tokens']} "
+                "greedy tokens each) against fp32 (`benchmarks/quantized_quality.py`).", "",
+                quantized_quality.table(q["rows"] + q["engine_rows"], q["prompts"], q["greedy_tokens"]), ""]
+        checked = [r for r in q["engine_rows"] if "vs_oracle" in r]
+        if checked:
+            out += ["Our engine against transformers on the same dequantized weights:", "",
+                    quantized_quality.exactness_table(checked), ""]
+    if "quantized" in parts:
+        q = parts["quantized"]
+        tok_table, ratio_table = quantized.summary(q)
+        out += ["### Quantized bases: throughput (issue 41)", "",
+                f"{q['model']} through Triton, {q['max_tokens']} greedy tokens a request, {q['rounds']} rounds "
+                f"alternated; ours {q['torch_threads']} torch + {q['native_threads']} native threads; load average "
+                f"before {q['load_before']}, after {q['load_after']} (`benchmarks/quantized.py`).", "",
+                tok_table, "", ratio_table, ""]
     out += [f"![{Path(path).stem}]({path})" for path in plots]
     out += ["", END]
     return "\n".join(out)

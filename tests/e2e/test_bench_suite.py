@@ -2,8 +2,9 @@
 
 Every part at a tiny size: W1 (our server over its adapters, then every in-process peer on
 the prompts AIPerf sent), continuous against static batching at two offered rates on one
-server each, the prefix cache on and off; then the goals table, the plots (matplotlib in
-AIPerf's virtualenv) and the generated docs section, into a copy of docs/benchmarks.md.
+server each, the prefix cache on and off, the model families, quantized bases' quality and
+throughput (issue 41); then the goals table, the plots (matplotlib in AIPerf's virtualenv)
+and the generated docs section, into a copy of docs/benchmarks.md.
 Checks the figures' shape only, never a timing. Skipped where AIPerf is not installed
 (`make bench` and `make test` install it into .cache/aiperf-venv).
 """
@@ -72,8 +73,16 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
     assert [r["family"] for r in fams["rows"]] == suite.families.QUICK_FAMILIES.split(",")
     assert all(r[f"ms_b{b}"] > 0 for r in fams["rows"] for b in fams["batches"])
 
+    quality = report["parts"]["quality"]
+    assert [r["format"] for r in quality["rows"]] == ["fp32", "int8", "fp8-channel", "fp8-tensor", "int4-g128"]
+    assert [r["format"] for r in quality["engine_rows"]] == ["fp32", "int8"]
+    assert all(r["ppl"] > 0 and len(r["first_divergence"]) == quality["prompts"]
+               for r in quality["rows"] + quality["engine_rows"])
+    served_quantized = {(r["workload"], r["server"]) for r in report["parts"]["quantized"]["runs"]}
+    assert served_quantized == {(w, s) for w in ("single", "mixed x2") for s in ("int8", "fp16")}
+
     goals = {g["key"]: g for g in report["goals"]}
-    assert set(goals) == set(suite.GOALS)
+    assert set(goals) == set(suite.GOALS) - {"int8-llama"}  # --quick starts no llama.cpp
     assert all(g["measured"] > 0 and g["met"] == (g["measured"] >= g["asked"]) for g in goals.values())
     assert run.stdout.count("\n| ") >= len(goals)  # the goals table, printed
 
@@ -83,6 +92,7 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
     assert "## The latest `make bench`" in section and "--quick" in section
     assert "](plots/throughput_vs_load.png)" in section and "](plots/latency_cdf.png)" in section
     assert "### Model families (issue 40)" in section and "| qwen3-moe |" in section
+    assert "### Quantized bases: quality (issue 41)" in section and "### Quantized bases: throughput" in section
     original = (suite.ROOT / "docs" / "benchmarks.md").read_text()
     after = original[original.index(suite.END):]
     assert text.count(suite.BEGIN) == 1 and text.endswith(after)  # the per-script sections after it stay as they were
