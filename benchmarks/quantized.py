@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, str], list[float]] = {}
     loads = []
     try:
-        for server in servers.values():
-            server.start(args.ready_timeout)
+        with ThreadPoolExecutor(len(servers)) as pool:  # started together: their start-ups overlap
+            for started in [pool.submit(server.start, args.ready_timeout) for server in servers.values()]:
+                started.result()
         log("servers ready; warming up")
         for server in ours.values():
             warm_up(server.http_url, [BASE_MODEL, *adapters])
