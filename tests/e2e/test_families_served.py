@@ -13,12 +13,17 @@ log-softmax. The dense families' adapters: attention, all-linear, rsLoRA, DoRA (
 Qwen3-MoE's: attention, LoRA on the fused experts (peft's target_parameters), all-linear with the router, and
 per-expert modules as transformers 4.x wrote them (oracle: transformers on the merged weights). A prompt of 3x the sliding window makes the windowed layers attend to part of it only. /v1/models lists
 the Phi-3 adapters multi_lora.json gives (not the one that does not fit), and a completion on one equals peft.
+
+One more copy serves the windowed Qwen2 checkpoint with ``quantization: int8`` in its config.pbtxt's engine_config
+(issue 41): its LoRA and DoRA adapters equal transformers + peft on the int8-dequantized weights, and its config and
+``loraplex_model_info`` say int8.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ import torch
 from family_checkpoints import ADAPTERS, WINDOW, build_family
 from helpers import run_gateway
 from moe_models import ATTENTION, EXPERT_NAMES, MOE_FAMILIES, build_adapter, build_moe, merged_model, per_expert_adapter
+from quant_checkpoints import write_load_quantized
 from tritonserver_fixture import DEFAULT_MODEL_REPOSITORY, demo_server
 
 from loraplex.clients.generate import stream_generate
@@ -39,8 +45,9 @@ from loraplex.clients.generate import stream_generate
 # routing with norm_topk_prob, a dense layer among the sparse ones (qwen3moe); q/k norms and tied embeddings
 # (qwen3); windows on every layer, blocks behind them freed (mistral-window) and past max_window_layers
 # (qwen2-window); Mixtral's experts (mixtral). Each lora_llm stub costs ~4 s of CPU to start.
-FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3", "mistral-window", "qwen2-window", "qwen3moe", "mixtral")
+FAMILIES = ("gemma2", "gemma3", "phi3", "qwen3", "mistral-window", "qwen2-window", "qwen3moe", "mixtral", "qwen2-int8")
 MOE = ("qwen3moe", "mixtral")
+QUANTIZED = {"qwen2-int8": ("qwen2-window", "int8", ("attn", "dora"))}  # copy -> (family, quantization, its adapters)
 GATEWAY_FAMILY = "phi3"  # served as lora_llm, behind the gateway
 SERVED_NAME = "phi3-tiny"  # the gateway's id of its base model
 MISFIT = "misfit"  # in each copy's multi_lora.json: an adapter of another family, on modules this one lacks
@@ -49,6 +56,7 @@ MAX_TOKENS = 10
 LOGPROB_ATOL = 2e-4  # fp32 throughout, as tests/engine/test_families.py
 HEADERS = {"x-tenant-id": "acme"}
 MODEL_DIR_PARAMETER = re.compile(r'(key: "model_dir"\s*value: \{ string_value: )"[^"]*"')
+ENGINE_CONFIG_PARAMETER = re.compile(r'(key: "engine_config"\s*value: \{ string_value: )"\{\}"')
 
 
 def model_name(family: str) -> str:
@@ -56,8 +64,9 @@ def model_name(family: str) -> str:
     return "lora_llm" if family == GATEWAY_FAMILY else f"lora_llm_{family}"
 
 
-def copy_model(repo: Path, src: str, name: str, model_dir: str) -> Path:
-    """model_repository/<src> copied as ``name``, its model_dir parameter set to ``model_dir``."""
+def copy_model(repo: Path, src: str, name: str, model_dir: str, engine_config: dict | None = None) -> Path:
+    """model_repository/<src> copied as ``name``, its model_dir parameter set to ``model_dir`` (and its engine_config
+    to ``engine_config`` when given)."""
     target = repo / name
     (target / "1").mkdir(parents=True)
     (target / "1" / "model.py").write_text((DEFAULT_MODEL_REPOSITORY / src / "1" / "model.py").read_text())
@@ -65,6 +74,10 @@ def copy_model(repo: Path, src: str, name: str, model_dir: str) -> Path:
     config, named = re.subn(rf'^name: "{src}"$', f'name: "{name}"', config, flags=re.M)
     config, dirs = MODEL_DIR_PARAMETER.subn(rf'\1"{model_dir}"', config)
     assert named == dirs == 1, f"model_repository/{src}/config.pbtxt changed shape"
+    if engine_config:
+        text = json.dumps(json.dumps(engine_config))  # a pbtxt string holding the JSON
+        config, n = ENGINE_CONFIG_PARAMETER.subn(lambda m: m.group(1) + text, config)
+        assert n == 1, f"model_repository/{src}/config.pbtxt changed shape"
     (target / "config.pbtxt").write_text(config)
     return target
 
@@ -100,7 +113,8 @@ def family_repository(repo: Path, families: dict[str, Family]) -> Path:
     on the gateway family's checkpoint."""
     repo.mkdir(parents=True, exist_ok=True)
     for name, family in families.items():
-        target = copy_model(repo, "lora_llm", model_name(name), family.model_dir)
+        quantization = {"quantization": QUANTIZED[name][1]} if name in QUANTIZED else None
+        target = copy_model(repo, "lora_llm", model_name(name), family.model_dir, quantization)
         # Phi-3's fused projections are no other family's: its adapters fit no other family, and theirs not Phi-3
         other = next(o for o in families if (o == "phi3") != (name == "phi3"))
         misfit = next(iter(families[other].adapters.values()))
@@ -112,7 +126,15 @@ def family_repository(repo: Path, families: dict[str, Family]) -> Path:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("families")
-    return {name: (moe_family if name in MOE else dense_family)(root, name) for name in FAMILIES}
+    families = {name: (moe_family if name in MOE else dense_family)(root, name) for name in FAMILIES
+                if name not in QUANTIZED}
+    for name, (base, method, adapters) in QUANTIZED.items():
+        family = families[base]
+        oracle = write_load_quantized(family.model_dir, root / name, method)  # the weights int8 at load serves
+        model_dir = shutil.copytree(family.model_dir, root / name / "model")  # its own path in the log's lines
+        families[name] = Family(str(model_dir), {a: family.adapters[a] for a in adapters},
+                                {None: (oracle, None), **{a: (oracle, family.adapters[a]) for a in adapters}})
+    return families
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +241,20 @@ def test_the_gateway_lists_and_serves_the_phi3_adapters(gateway, families):
         want = greedy_tokens(*family.oracles[lora], tokenizer(PROMPTS[0]).input_ids, MAX_TOKENS, ignore_eos=True)
         assert reply.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), model
         assert reply.usage.completion_tokens == MAX_TOKENS
+
+
+def test_the_int8_copy_says_int8_in_its_config_and_metrics(triton_server, served):
+    """The quantized copy's model config carries its quantization, and its model-info gauge the served format."""
+    import urllib.request
+
+    name = model_name("qwen2-int8")
+    with urllib.request.urlopen(f"http://{triton_server.http_address}/v2/models/{name}/config", timeout=10) as r:
+        config = json.loads(r.read())
+    assert json.loads(config["parameters"]["engine_config"]["string_value"]) == {"quantization": "int8"}
+    with urllib.request.urlopen(triton_server.metrics_url, timeout=10) as r:
+        metrics = r.read().decode()
+    info = [line for line in metrics.splitlines() if line.startswith("loraplex_model_info{")]
+    ours = [line for line in info if f'model="{name}"' in line]
+    assert len(ours) == 1 and 'quantization="int8"' in ours[0] and 'checkpoint_format="none"' in ours[0] \
+        and ours[0].endswith(" 1"), info
+    assert all('quantization="none"' in line for line in info if line not in ours), info
