@@ -186,3 +186,35 @@ def test_quantize_dequantize_and_fused_concatenation():
     permuted = Int4Weight(q4.qweight, q4.scales, q4.zeros, 128, perm)
     x = torch.randn(3, 256)
     torch.testing.assert_close(x @ dequantize(permuted).t(), x[:, perm] @ dequantize(q4).t())
+
+
+def test_int4_through_the_cuda_kernel_on_the_cpu_shim(bases, tmp_path, monkeypatch):
+    """LORAPLEX_KERNELS=shim: the quantized layers run quant_linear.cu's kernels on the CPU (an act-order GPTQ
+    checkpoint: its inputs gathered by perm first), exact against peft on the dequantized weights, never through
+    their torch reference (the kernels against it, fp8 included: tests/kernels/test_quant_kernels.py)."""
+    import collections
+
+    from loraplex.kernels import cpu_runner, dispatch
+
+    monkeypatch.setenv(dispatch.ENV, "shim")
+    monkeypatch.setattr(dispatch, "MODE", dispatch.read_mode())
+    launches = collections.Counter()
+    launch, torch_path = cpu_runner.CpuRunner.launch, dispatch.torch_path
+
+    def counting(self, family, name, grid, block, args):
+        launches[family] += 1
+        return launch(self, family, name, grid, block, args)
+
+    def forbidden(name, tensor):
+        assert name not in ("fp8_linear", "w4a16_linear"), f"{name} took the torch path in shim mode"
+        return torch_path(name, tensor)
+
+    monkeypatch.setattr(cpu_runner.CpuRunner, "launch", counting)
+    monkeypatch.setattr(dispatch, "torch_path", forbidden)
+    model_dir, adapters = bases["llama"]
+    served, oracle_dir = write_format(model_dir, tmp_path, "gptq")
+    engine = _engine(served, {"attn": adapters["attn"]})  # no fallback: the shim serves int4 on the CPU
+    batch = {"base": (PROMPTS[0], None), "attn": (PROMPTS[1], "attn")}
+    requests, tokens, logprobs = run_greedy_logprobs(engine, batch, 2)
+    assert_matches_oracle(lambda lora: (oracle_dir, adapters.get(lora)), batch, requests, tokens, logprobs, "shim")
+    assert launches["quant"] > 0, launches
