@@ -14,6 +14,7 @@ table and the JSON (--json writes it too; $OUT/quant_gemm.json when $OUT is set)
 
     python benchmarks/quant_gemm.py [--batches 1 16 64] [--iters 20] [--peak-gbs 4800] [--json out.json]
     python benchmarks/quant_gemm.py --device cpu --shapes 96x80 --batches 1 9   # the CPU shim: the driver runs
+    python benchmarks/quant_gemm.py --ptx   # no GPU: PTX instructions per weight of the GEMV loops (NVRTC)
 INT4 weights: groups of 128, scales in bf16 (the activation dtype: the packed dequantization); FP8: per
 output channel.
 """
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-gbs", type=float, default=None, help="HBM peak in GB/s (default: from the device)")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop measuring after this long")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--ptx", action="store_true",
+                   help="only count the PTX instructions per weight of each GEMV's main loop (NVRTC, no GPU)")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = list(SHAPES_8B) if args.device == "cuda" else ["96x80"]
@@ -200,8 +203,56 @@ def print_table(report: dict) -> None:
     print(f"numerics: {len(report['numerics'])} checks against the reference, worst relative error {worst:.2e}")
 
 
+PTX_GEMVS = (  # (activations, weight format): the per-weight cost of each dequantization path
+    ("__nv_bfloat16", "Int4Weights<__nv_bfloat16>"), ("__half", "Int4Weights<__half>"),
+    ("__nv_bfloat16", "Int4Weights<__half>"), ("__nv_bfloat16", "Fp8Weights"), ("__half", "Fp8Weights"))
+
+
+def ptx_per_weight(arch: str = "sm_90") -> list[dict]:
+    """PTX instructions (moves and address conversions left out) of the largest basic block of each one-row
+    GEMV -- its vectorized main loop, one 16-byte load of each of its rows of W -- per weight it dequantizes."""
+    import re
+
+    from loraplex.kernels import nvrtc_check
+    from loraplex.kernels.sources import expanded_source
+
+    nvrtc = nvrtc_check.load_nvrtc()
+    from loraplex.kernels.quant_launch import GEMV_ROWS, GEMV_THREADS
+
+    rows_per_warp = GEMV_ROWS // (GEMV_THREADS // 32)
+    rows = []
+    for dtype, fmt in PTX_GEMVS:
+        name = f"quant_gemv<{dtype}, {fmt}, 1>"
+        prog = nvrtc.createProgram(expanded_source("quant_linear.cu"), "quant_linear.cu", [], [])
+        try:
+            nvrtc.addNameExpression(prog, name)
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", "-std=c++17"])
+            ptx = nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        blocks, label = {}, None
+        for line in ptx.splitlines():
+            start = re.match(r"^(\$L__BB\d+_\d+):", line)
+            if start:
+                label = start.group(1)
+            elif label and re.match(r"^\s+[a-z]", line) and not re.match(r"^\s+(mov|cvt\.u32\.u64|cvta)", line):
+                blocks[label] = blocks.get(label, 0) + 1
+        weights = rows_per_warp * 16 * (2 if fmt.startswith("Int4") else 1)
+        rows.append({"kernel": name, "arch": arch, "loop_instructions": max(blocks.values()), "weights": weights,
+                     "per_weight": max(blocks.values()) / weights})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ptx:
+        rows = ptx_per_weight()
+        for r in rows:
+            print(f"{r['kernel']:>52}: {r['loop_instructions']} PTX instructions / {r['weights']} weights = "
+                  f"{r['per_weight']:.1f}")
+        print(json.dumps(rows, indent=1))
+        return 0
     report = run(args)
     print_table(report)
     text = json.dumps(report, indent=1)

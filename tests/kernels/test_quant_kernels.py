@@ -230,6 +230,21 @@ def test_scaled_mm_route_quantizes_each_row_of_x():
     assert not quant_launch.scaled_mm_serves(x, weight, None)  # a CPU tensor: never in auto
 
 
+def test_scaled_mm_knob_routes_only_prefill_rows_in_auto(cpu, monkeypatch):
+    monkeypatch.setattr(quant_launch, "SCALED_MM", True)
+    monkeypatch.setattr(quant_launch, "scaled_mm_serves", lambda x2, weight, block: True)
+    routed = []
+    real = quant_launch.fp8_scaled_mm
+    monkeypatch.setattr(quant_launch, "fp8_scaled_mm", lambda *a: (routed.append(a[0].shape[0]), real(*a))[1])
+    for rows in (8, 9):
+        x, args, _ = case("fp8", BF16, rows, 16, 64, "channel", False)
+        launch("fp8", x, args, runner=cpu)
+    assert routed == [9]
+    monkeypatch.setenv(quant_launch.SCALED_MM_ENV, "yes")
+    with pytest.raises(ValueError, match="LORAPLEX_FP8_SCALED_MM='yes' is not 0 or 1"):
+        quant_launch.read_scaled_mm()
+
+
 # ---- CUDA (a lent GPU: gpu_session.sh) --------------------------------------------------------------
 
 
