@@ -5,6 +5,7 @@ the eager step) on CUDA only."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -160,6 +161,15 @@ def test_choose_splits_fills_the_device_only_when_the_grid_is_small():
 
 def test_run_shift_serves_powers_of_two_and_whole_rows():
     assert [quant_launch.run_shift(r, 4096) for r in (32, 128, 4096, 8192, 96)] == [5, 7, 31, 31, None]
+
+
+@pytest.mark.parametrize("name", ["fp8_linear", "w4a16_linear"])
+def test_the_package_function_and_launcher_take_the_reference_arguments(name):
+    ref = inspect.signature(getattr(reference, name))
+    assert inspect.signature(getattr(kernels, name)) == ref
+    launcher = list(inspect.signature(getattr(quant_launch, name)).parameters.values())
+    assert [p.name for p in launcher[: len(ref.parameters)]] == list(ref.parameters)
+    assert all(p.kind is p.KEYWORD_ONLY for p in launcher[len(ref.parameters):])
 
 
 def test_launcher_constants_match_the_source():
