@@ -63,7 +63,7 @@ run decode_roofline 120 python3 benchmarks/decode_roofline.py --batches 1 16 64 
 # issue 41 (decision 073): the FP8 / INT4 linear kernels on CUDA against the reference, and the SGLang case (an FP8
 # base with LoRA and base rows in one captured CUDA graph equals the eager step); then their figures at 8B shapes
 run quant_kernels 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_quant_kernels.py
-run quant_gemm 150 python3 benchmarks/quant_gemm.py --budget-s 120 --json "$WORK/quant_gemm.json"
+run quant_gemm 150 python3 benchmarks/quant_gemm.py --budget-s 120 --batches 1 16 64 256 --json "$WORK/quant_gemm.json"
 run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"
 run engine_check_prefill_kernel 60 env LORAPLEX_PREFILL_ATTENTION=kernel \
     python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check_prefill_kernel.json"
