@@ -7,9 +7,9 @@ VNNI path's activation split on SmolLM2.
 gemm   One pass over SmolLM2-135M's 30 layers of projections (q/k/v and gate/up fused) plus its lm_head (distinct
        weights: the model's own working set), and Llama-3-8B's shapes one at a time ([N, K] 4096x4096: q/o;
        14336x4096: up; 4096x14336: down) over copies of at least 1 GiB, so their weights come from memory as an
-       8B model's do. Each at M rows and each thread count: int8 on VNNI (the library's parts; --parts builds
-       the other part counts beside it), int8 with the weights converted to fp32 (the path without VNNI), fp16
-       panels, fp32 panels. ms per pass, GB/s of weights read, GFLOP/s. Each round alternates the variants; the
+       8B model's do. Each at M rows and each thread count: int8 on AMX (from lp_int8_amx_min_rows rows, VNNI
+       below), int8 on VNNI (the library's parts; --parts builds the other part counts beside it), int8 with
+       the weights converted to fp32 (the path without VNNI), fp16 panels, fp32 panels. ms per pass, GB/s of weights read, GFLOP/s. Each round alternates the variants; the
        best round is reported (on a shared machine other processes only ever add time).
 exact  SmolLM2-135M-Instruct's linear layers (lm_head too) quantized to int8 per channel (models.quant), run by
        packed_linear over int8 panels on each path, against the same model on the dequantized weights in fp32
@@ -51,12 +51,15 @@ def using(lib):
 
 
 def variant_libs(parts: list[int]) -> dict:
-    """name -> (library, int8 level): VNNI with each part count (vnni = the library's own), and the fallback."""
+    """name -> (library, int8 level): AMX (from lp_int8_amx_min_rows rows; VNNI below), VNNI with each part
+    count (vnni = the library's own), and the fallback."""
     from loraplex.kernels import cpu_native
 
     lib = cpu_native.library()
     own = lib.lp_int8_parts()
     libs = {}
+    if lib.lp_int8_isa() >= cpu_native.INT8_AMX:
+        libs["amx"] = (lib, cpu_native.INT8_AMX)
     if lib.lp_int8_isa() >= cpu_native.INT8_VNNI:
         libs["vnni"] = (lib, cpu_native.INT8_VNNI)
         for p in parts:
@@ -93,15 +96,22 @@ def gemm_part(rows_list: list[int], threads_list: list[int], rounds: int, parts:
           f"panel width {cpu_native.library().lp_gemm_panel_width()}")
     gen = torch.Generator().manual_seed(0)
 
-    def layers(shapes: list[tuple[int, int]]) -> dict:
-        """kind -> the weights of shapes, packed as that kind (random, about unit outputs)."""
-        out = {k: [] for k in ("int8", "fp16", "fp32")}
-        for n, k in shapes:
-            w = torch.randn(n, k, generator=gen) * k**-0.5
-            scale = w.abs().amax(1) / 127
-            out["int8"].append(cpu_native.Panels.int8(torch.round(w / scale[:, None]).to(torch.int8), scale))
-            out["fp16"].append(cpu_native.Panels(w, half=True))
-            out["fp32"].append(cpu_native.Panels(w, half=False))
+    def layers(shapes: list[tuple[int, int]], min_bytes: int = 0) -> dict:
+        """kind -> the weights of shapes packed as that kind (random, about unit outputs), repeated until they
+        hold min_bytes of that kind."""
+        out = {}
+        for kind, size in (("int8", 1), ("fp16", 2), ("fp32", 4)):
+            total = sum(n * k for n, k in shapes) * size
+            out[kind] = []
+            for _ in range(max(1, -(-min_bytes // total))):
+                for n, k in shapes:
+                    w = torch.randn(n, k, generator=gen) * k**-0.5
+                    if kind == "int8":
+                        scale = w.abs().amax(1) / 127
+                        out[kind].append(cpu_native.Panels.int8(torch.round(w / scale[:, None]).to(torch.int8),
+                                                                scale))
+                    else:
+                        out[kind].append(cpu_native.Panels(w, half=kind == "fp16"))
         return out
 
     def run(label: str, weights: dict, per_pass: int, elems: int) -> None:
@@ -137,9 +147,8 @@ def gemm_part(rows_list: list[int], threads_list: list[int], rounds: int, parts:
         run("SmolLM2 pass", smol, len(smol["fp32"]), sum(w.out_features * w.in_features for w in smol["fp32"]))
         del smol
     if "llama8b" in shapes:
-        for label, (n, k) in LLAMA8B.items():
-            copies = max(1, -(-(1 << 30) // (n * k)))  # >= 1 GiB of int8 (this machine's L3 is large)
-            run(label, layers([(n, k)] * copies), 1, n * k)
+        for label, (n, k) in LLAMA8B.items():  # >= 1 GiB of each kind: more than this machine's large L3
+            run(label, layers([(n, k)], 1 << 30), 1, n * k)
 
 
 def exact_part(tokens: int, parts: list[int]) -> None:

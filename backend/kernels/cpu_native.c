@@ -652,7 +652,10 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k
     const int64_t kp = I8_KP(k), rows = (m + I8_PAD_ROWS - 1) / I8_PAD_ROWS * I8_PAD_ROWS;
     *xq = (uint8_t *)scratch;
     *xs = (float *)(*xq + rows * I8_PARTS * kp);
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, kp, *xq + r * I8_PARTS * kp, *xs + r * I8_PARTS);
+    uint8_t *q = *xq;
+    float *s = *xs;
+#pragma omp parallel for num_threads(lp_threads()) schedule(static) if (m > 1 && m * k >= (1 << 16))
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, kp, q + r * I8_PARTS * kp, s + r * I8_PARTS);
     memset(*xq + m * I8_PARTS * kp, 128, (size_t)((rows - m) * I8_PARTS * kp));
 }
 

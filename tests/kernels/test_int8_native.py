@@ -303,3 +303,20 @@ def test_each_rows_values_do_not_depend_on_the_call():
     x = torch.randn(23, 577, generator=gen)
     together = kernels.packed_linear(x, packed)
     assert all(torch.equal(together[i], kernels.packed_linear(x[i:i + 1], packed)[0]) for i in (0, 5, 22))
+
+
+def test_two_threads_give_the_one_threads_values(path):
+    """Rows quantized and panels computed on two threads (m * k past the threshold of both): the same values."""
+    gen = torch.Generator().manual_seed(19)
+    q, scale, bias = int8_layer(300, 577, gen)
+    packed = kernels.linear_pack_int8(q, scale, bias)
+    x = torch.randn(130, 577, generator=gen)
+    before, outs = cpu_native.threads(), []
+    try:
+        for threads in (1, 2):
+            cpu_native.set_threads(threads)
+            outs.append(kernels.packed_linear(x, packed))
+    finally:
+        cpu_native.set_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    check(outs[1], x, q, scale, bias, path)
