@@ -1,7 +1,8 @@
 """Quantized linear layers at Llama-3-8B's shapes against the HBM roofline for each format's bytes (issue 41).
 
 For each shape (in x out: 4096x4096 q/o_proj, 4096x14336 gate/up, 14336x4096 down, 4096x128256 lm_head) and
-batch (rows of x: 1, 16, 64), random weights, timed with CUDA events over cold-L2 runs (median):
+batch (rows of x: 1, 16, 64), random weights, each call captured in a CUDA graph (as decode runs it) and its
+replays timed with CUDA events over cold-L2 runs (median):
   bf16            torch's GEMM on bf16 weights (the unquantized base);
   fp8, int4       kernels.fp8_linear / w4a16_linear as the model calls them (impl auto: the GEMV up to 8 rows,
                   the tensor-core GEMM above) and each impl forced: gemv, gemm, dequant (W dequantized into a
@@ -100,26 +101,45 @@ def peak_gbs(args) -> tuple[float, str]:
 
 
 class Timer:
-    """Median ms of fn: CUDA events over cold-L2 runs on CUDA, perf_counter on the CPU."""
+    """Median ms of fn: on CUDA, fn captured in a CUDA graph (as decode runs; no host launch time between the
+    events) replayed over cold-L2 runs, timed with CUDA events (eager when it cannot be captured); perf_counter on
+    the CPU. `how` says which the last measurement used."""
 
     def __init__(self, device: str, iters: int):
-        self.device, self.iters = device, iters
+        self.device, self.iters, self.how = device, iters, "cpu"
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if device == "cuda" else None
+
+    def _graph(self, fn):
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            torch.cuda.synchronize()
+            return graph.replay
+        except Exception as err:  # noqa: BLE001 - time it eagerly instead
+            print(f"note: not capturable ({type(err).__name__}: {err}); timed eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
+            return None
 
     def ms(self, fn) -> float:
         for _ in range(2 if self.device == "cuda" else 1):
             fn()
+        run = fn
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            replay = self._graph(fn)
+            run, self.how = (replay, "graph") if replay else (fn, "eager")
         times = []
         for _ in range(self.iters):
             if self.flush is None:
                 start = time.perf_counter()
-                fn()
+                run()
                 times.append((time.perf_counter() - start) * 1e3)
                 continue
             self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -186,7 +206,8 @@ def run(args) -> dict:
                     nbytes = format_bytes(fmt, m, k, n)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     report["rows"].append({"shape": text, "format": fmt, "batch": m, "impl": impl, "ms": ms,
-                                           "bytes": nbytes, "gbs": gbs, "peak_fraction": gbs / peak})
+                                           "bytes": nbytes, "gbs": gbs, "peak_fraction": gbs / peak,
+                                           "timed": timer.how})
     bf16 = {(r["shape"], r["batch"]): r["ms"] for r in report["rows"] if r["format"] == "bf16"}
     for r in report["rows"]:
         r["vs_bf16"] = bf16.get((r["shape"], r["batch"]), math.nan) / r["ms"]
