@@ -73,6 +73,9 @@ run step_host_time_eager 45 python3 benchmarks/step_host_time.py --seqs 256 --st
 run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hidden 2048 --intermediate 5632 \
     --layers 8 --heads 16 --kv-heads 16 --batch 64 --max-tokens 64 --adapters 8,32 --repeats 1 \
     --json "$WORK/lora_throughput.json"
+# issue 42 (decision 078): routing_sim.py's costs on the GPU (step by batch and adapters, slot loads, reads); then
+# `routing_sim.py --costs <it> --knee --policies ...` here re-decides the ring's hash_balance_factor and the goal
+run routing_costs 120 python3 benchmarks/routing_costs.py --rounds 2 --out "$WORK/routing_costs_cuda.json"
 # the engine tests as they are: those on the default device run on CUDA there (graphs, swap, containment, ...)
 run engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
 echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"

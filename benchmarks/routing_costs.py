@@ -124,6 +124,8 @@ def prefill_slope(cells: list[dict]) -> float:
 
 def load_phase(engine, store: Path, names: list[str]) -> tuple[dict, dict]:
     """Per rank: median seconds of AdapterManager.read (disk read + validation) and acquire into a free slot."""
+    import torch
+
     manager = engine.adapters
     reads: dict[int, list[float]] = {}
     loads: dict[int, list[float]] = {}
@@ -141,6 +143,8 @@ def load_phase(engine, store: Path, names: list[str]) -> tuple[dict, dict]:
             continue
         started = time.perf_counter()
         slot = manager.acquire(name)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()  # the copy into the slot, not its launch
         seconds = time.perf_counter() - started
         if slot is None:
             continue
