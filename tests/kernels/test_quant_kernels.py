@@ -172,6 +172,15 @@ def test_the_package_function_and_launcher_take_the_reference_arguments(name):
     assert all(p.kind is p.KEYWORD_ONLY for p in launcher[len(ref.parameters):])
 
 
+def test_devices_before_compute_capability_8_take_the_reference():
+    from loraplex.kernels.preconditions import QUANT, KernelShapes, reason
+
+    assert "compute capability 8.0 or newer" in reason(QUANT, KernelShapes(FP16, capability=(7, 5)))
+    assert reason(QUANT, KernelShapes(BF16, capability=(9, 0))) is None
+    assert reason(QUANT, KernelShapes(FP32)) is None  # the shim
+    assert reason(QUANT, KernelShapes(torch.float64)) is not None
+
+
 def test_launcher_constants_match_the_source():
     text = (KERNEL_DIR / "quant_linear.cu").read_text()
 
