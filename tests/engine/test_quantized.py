@@ -218,3 +218,26 @@ def test_int4_through_the_cuda_kernel_on_the_cpu_shim(bases, tmp_path, monkeypat
     requests, tokens, logprobs = run_greedy_logprobs(engine, batch, 2)
     assert_matches_oracle(lambda lora: (oracle_dir, adapters.get(lora)), batch, requests, tokens, logprobs, "shim")
     assert launches["quant"] > 0, launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_session.sh: engine_tests)")
+@pytest.mark.parametrize("name", ["fp8-block", "gptq", "ct-w4a16-asym", "load-fp8"])
+def test_cuda_quantized_base_in_cuda_graphs_equals_peft(bases, tmp_path, name):
+    """On the GPU: fp8 (block scales, q/k/v unfused) and int4 (act-order GPTQ, asymmetric W4A16) through
+    quant_linear.cu, decode steps replaying CUDA graphs with base and LoRA / DoRA rows in one batch (the SGLang
+    case), equal to peft on the dequantized weights; fp32 activations, so the oracle's tolerance holds."""
+    base, adapter = CASES[name]
+    model_dir, adapters = bases[base]
+    if name.startswith("load-"):
+        method = name.removeprefix("load-")
+        served, oracle_dir = model_dir, write_load_quantized(model_dir, tmp_path, method)
+    else:
+        method, (served, oracle_dir) = "auto", write_format(model_dir, tmp_path, name)
+    engine = LLMEngine(EngineConfig(model_dir=served, device="cuda", dtype="float32", max_model_len=128,
+                                    num_kv_blocks=48, block_size=4, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                                    multi_lora={adapter: adapters[adapter]}, quantization=method))
+    assert engine.model.quant.quantized and not engine.model.quant.reference and engine.runner.graphs is not None
+    batch = {"base": (PROMPTS[0], None), adapter: (PROMPTS[1], adapter), f"{adapter}-2": (PROMPTS[0], adapter)}
+    requests, tokens, logprobs = run_greedy_logprobs(engine, batch, MAX_TOKENS)
+    assert_matches_oracle(lambda lora: (oracle_dir, adapters.get(lora)), batch, requests, tokens, logprobs, name,
+                          atol=1e-3)
