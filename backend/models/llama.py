@@ -257,7 +257,8 @@ class LlamaModel:
             for f in sorted(Path(self.model_dir).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as st:
                     raw.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
-            w = served_weight(raw, prefix + "weight", self.quant) if self.quant.source else raw.get(prefix + "weight")
+            w = (served_weight(raw, prefix + "weight", self.quant, self.device, self.dtype) if self.quant.source
+                 else raw.get(prefix + "weight"))
             if fused is not None and w is not None:
                 widths = [module_shapes(self.config)[m][1] for m in fused[1]]
                 w = w.split(widths)[fused[1].index(module)]

@@ -4,10 +4,11 @@ forms, full-precision projections quantized at load, or quantized ones dequantiz
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
-from loraplex.models.quant.forms import FORMS, dequantize
+from loraplex.models.quant.forms import FORMS, Int4Weight, dequantize
 from loraplex.models.quant.formats import read_quantized
 from loraplex.models.quant.plan import QuantPlan
 from loraplex.models.quant.quantize import quantize
@@ -32,21 +33,33 @@ def prepare(tensors: dict, plan: QuantPlan, dtype: torch.dtype, device) -> None:
         read_quantized(tensors, plan.checkpoint)
     for name, t in list(tensors.items()):
         if isinstance(t, FORMS):
-            tensors[name] = dequantize(t).to(device=device, dtype=dtype) if plan.source == "dequantized" else t.to(device)
+            tensors[name] = (dequantize(t).to(device=device, dtype=dtype) if plan.source == "dequantized"
+                             else _on_device(t, device, dtype))
         elif plan.source == "load" and PROJECTION.match(name):
-            tensors[name] = quantize(t, plan.served).to(device)
+            tensors[name] = _on_device(quantize(t, plan.served), device, dtype)
     if quantizes_lm_head(plan):
         tensors[LM_HEAD] = quantize(tensors.get(LM_HEAD, tensors[EMBED]), plan.served).to(device)
 
 
-def served_weight(raw: dict, name: str, plan: QuantPlan) -> torch.Tensor | None:
-    """One projection's weight [out, in] in fp32 as served, from its checkpoint tensors (raw: the tensors of that
-    layer, as stored): DoRA's norms read it. None when raw has no such layer."""
+def _on_device(w, device, dtype: torch.dtype):
+    """A form on device; on CUDA an int4 form's scales in the compute dtype, which quant_linear.cu dequantizes
+    with fewer instructions (bf16: each scale rounded once more, a bf16 ulp, below what bf16 activations
+    resolve; dequantize(form) stays the served weight)."""
+    w = w.to(device)
+    if isinstance(w, Int4Weight) and torch.device(device).type == "cuda" and w.scales.dtype != dtype:
+        w = replace(w, scales=w.scales.to(dtype))
+    return w
+
+
+def served_weight(raw: dict, name: str, plan: QuantPlan, device="cpu", dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor | None:
+    """One projection's weight [out, in] in fp32 as a model on device in dtype serves it, from its checkpoint
+    tensors (raw: the tensors of that layer, as stored): DoRA's norms read it. None when raw has no such layer."""
     if plan.checkpoint is not None:
         read_quantized(raw, plan.checkpoint)
     w = raw.get(name)
     if w is None:
         return None
     if plan.source == "load" and PROJECTION.match(name):
-        w = quantize(w, plan.served)
-    return dequantize(w)
+        w = quantize(w.to(dtype), plan.served)  # as prepare quantized it: after the cast to dtype
+    return dequantize(_on_device(w, device, dtype) if isinstance(w, FORMS) else w)
