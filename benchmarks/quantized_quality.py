@@ -1,6 +1,6 @@
 """What each quantized weight format costs SmolLM2 in quality against full precision (issue 41, item 5).
 
-    python benchmarks/quantized_quality.py [--formats fp32,int8,fp8-channel,fp8-tensor,int4-g128]
+    python benchmarks/quantized_quality.py [--formats fp32,int8,fp8-channel,fp8-tensor,int4-g128,int4-load]
         [--engine int8] [--window 0] [--stride 0] [--prompts 8] [--prompt-tokens 64] [--greedy-tokens 128]
         [--quick] [--json PATH]
 
@@ -21,7 +21,10 @@ Rows, all on the same token ids:
                  vLLM's online fp8 and FP8 checkpoints keep it);
     fp8-tensor   e4m3, one scale per tensor (max|W| / 448), the projections;
     int4-g128    groups of 128 inputs, asymmetric, round to nearest (`quantize_int4`: GPTQ's/AWQ's storage
-                 without their calibration), the projections.
+                 without their calibration), the projections; where 128 does not divide a row (SmolLM2's
+                 576-wide inputs) its last group is shorter, as GPTQ's `g_idx = k // 128` groups it;
+    int4-load    what `quantization: int4` serves: `quantize_int4`'s own groups, 128 where that divides the
+                 row, else 64 or 32 (SmolLM2: 64 on the 576-wide inputs, 128 on down_proj's 1,536).
   Our engine (`--engine`: LLMEngine in process, `quantization` as named, every other knob at the server's
   default; `fp32` the control): its model teacher-forced over the same windows (the prompt's forward in
   chunks of 512 tokens, as the runner's chunked prefill), and the decode path (the one-call native decode
@@ -37,8 +40,7 @@ fp32's continuation: how many are identical and the first position where one dif
 Goals (issue 41): int8 and fp8 within +1% perplexity of fp32, int4 within +5%. The SmolLM2 checkpoint here
 was itself dequantized from a Q4_1 GGUF (loraplex.models.builtin.smollm2): its "full precision" weights lie on
 a 4-bit grid of 32-input groups, which int4 with 128-input groups does not reproduce. --quick: the demo model,
-the first 256 tokens, 2 prompts of 16 + 8 tokens, int4 in groups of 8 (its MLP is 344 wide): a smoke run
-whose figures mean nothing. Nothing here asserts a figure.
+the first 256 tokens, 2 prompts of 16 + 8 tokens: a smoke run whose figures mean nothing. Nothing here asserts a figure.
 """
 
 from __future__ import annotations
@@ -59,16 +61,17 @@ sys.path.insert(0, str(ROOT))
 
 TEXT = ROOT / "benchmarks" / "data" / "alice-chapter-1.txt"
 CHUNK = 512  # tokens per forward within a window (the oracle's and the engine's)
-GOALS = {"int8": 1.01, "fp8-channel": 1.01, "fp8-tensor": 1.01, "int4-g128": 1.05}  # perplexity / fp32's, at most
+GOALS = {"int8": 1.01, "fp8-channel": 1.01, "fp8-tensor": 1.01, "int4-g128": 1.05, "int4-load": 1.05}  # perplexity / fp32's, at most
 
 
 @dataclass(frozen=True)
 class Format:
-    """A weight format: how the projections (and lm_head, where `lm_head`) are quantized, None: kept."""
+    """A weight format: the projections' (and lm_head's, where `lm_head`) weights it serves, dequantized
+    (`weights(W)`; None: W as it is)."""
 
     name: str
     what: str
-    quantize: object
+    weights: object
     lm_head: bool = False
 
 
@@ -83,16 +86,30 @@ def quantize_fp8_tensor(w: torch.Tensor):
     return Fp8Weight((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 
-def formats(int4_group: int) -> dict[str, Format]:
-    from loraplex.models.quant import quantize_fp8, quantize_int4, quantize_int8
+def dequantized_int4_g128(w: torch.Tensor) -> torch.Tensor:
+    """int4 in groups of 128 inputs along each row, the last group shorter where 128 does not divide K (as GPTQ's
+    g_idx = k // 128 groups them): quantize_int4 of the row padded with zeros to a multiple of 128 (its range
+    already holds 0, so the padding changes no group's scale or zero), dequantized, the padding cut off."""
+    from loraplex.models.quant import dequantize, quantize_int4
+
+    k = w.shape[1]
+    padded = torch.nn.functional.pad(w.float(), (0, -k % 128))
+    return dequantize(quantize_int4(padded, group_size=128))[:, :k]
+
+
+def formats() -> dict[str, Format]:
+    from loraplex.models.quant import dequantize, quantize_fp8, quantize_int4, quantize_int8
+
+    def of(quantize):
+        return lambda w: dequantize(quantize(w))
 
     return {f.name: f for f in (
         Format("fp32", "the checkpoint's weights", None),
-        Format("int8", "int8 per channel, projections + lm_head", quantize_int8, lm_head=True),
-        Format("fp8-channel", "e4m3 per channel, projections", quantize_fp8),
-        Format("fp8-tensor", "e4m3 per tensor, projections", quantize_fp8_tensor),
-        Format("int4-g128", f"int4 asym. groups of {int4_group}, projections",
-               lambda w: quantize_int4(w, group_size=int4_group)),
+        Format("int8", "int8 per channel, projections + lm_head", of(quantize_int8), lm_head=True),
+        Format("fp8-channel", "e4m3 per channel, projections", of(quantize_fp8)),
+        Format("fp8-tensor", "e4m3 per tensor, projections", of(quantize_fp8_tensor)),
+        Format("int4-g128", "int4 asym. groups of 128, projections", dequantized_int4_g128),
+        Format("int4-load", "int4 asym. as quantization int4 groups them, projections", of(quantize_int4)),
     )}
 
 
@@ -135,15 +152,13 @@ class Oracle:
         self.tied = self.lm_head is self.embed
 
     def use(self, fmt: Format) -> None:
-        from loraplex.models.quant import dequantize
-
         for name, module in self.projections.items():
             w = self.originals[name]
-            module.weight.data = w.clone() if fmt.quantize is None else dequantize(fmt.quantize(w))
+            module.weight.data = w.clone() if fmt.weights is None else fmt.weights(w)
         head = self.model.get_output_embeddings()
         original = self.embed if self.tied else self.lm_head
         if fmt.lm_head:  # its own weight: a tied embedding's lookups keep the full-precision rows
-            head.weight = torch.nn.Parameter(dequantize(fmt.quantize(original.detach())), requires_grad=False)
+            head.weight = torch.nn.Parameter(fmt.weights(original.detach()), requires_grad=False)
         else:
             head.weight = original
 
@@ -295,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=None, help="checkpoint (default: SmolLM2's, .cache/smollm2/model)")
     ap.add_argument("--text", type=Path, default=TEXT, help="the text (default: %(default)s)")
-    ap.add_argument("--formats", default="fp32,int8,fp8-channel,fp8-tensor,int4-g128",
+    ap.add_argument("--formats", default="fp32,int8,fp8-channel,fp8-tensor,int4-g128,int4-load",
                     help="transformers rows, fp32 first (default: %(default)s)")
     ap.add_argument("--engine", default="fp32,int8",
                     help="our engine's rows: fp32 (the control) and quantization knobs served on the CPU "
@@ -332,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     spans = windows(len(ids), window, stride)
     offsets = [i * (len(ids) - args.prompt_tokens) // args.prompts for i in range(args.prompts)]
     prompts = torch.stack([ids[o:o + args.prompt_tokens] for o in offsets])
-    fmts = formats(8 if args.quick else 128)
+    fmts = formats()
     names = [n for n in args.formats.split(",") if n]
     engine_rows = [n for n in args.engine.split(",") if n]
     if names[:1] != ["fp32"]:

@@ -74,7 +74,8 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
     assert all(r[f"ms_b{b}"] > 0 for r in fams["rows"] for b in fams["batches"])
 
     quality = report["parts"]["quality"]
-    assert [r["format"] for r in quality["rows"]] == ["fp32", "int8", "fp8-channel", "fp8-tensor", "int4-g128"]
+    assert [r["format"] for r in quality["rows"]] == ["fp32", "int8", "fp8-channel", "fp8-tensor", "int4-g128",
+                                                     "int4-load"]
     assert [r["format"] for r in quality["engine_rows"]] == ["fp32", "int8"]
     assert all(r["ppl"] > 0 and len(r["first_divergence"]) == quality["prompts"]
                for r in quality["rows"] + quality["engine_rows"])
