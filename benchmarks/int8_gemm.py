@@ -6,7 +6,7 @@ VNNI path's activation split on SmolLM2.
 
 gemm   One pass over SmolLM2-135M's 30 layers of projections (q/k/v and gate/up fused) plus its lm_head (distinct
        weights: the model's own working set), and Llama-3-8B's shapes one at a time ([N, K] 4096x4096: q/o;
-       14336x4096: up; 4096x14336: down) over copies of at least 1 GiB, so their weights come from memory as an
+       14336x4096: up; 4096x14336: down) over copies of at least 768 MiB, so their weights come from memory as an
        8B model's do. Each at M rows and each thread count: int8 on AMX (from lp_int8_amx_min_rows rows, VNNI
        below), int8 on VNNI (the library's parts; --parts builds the other part counts beside it), int8 with
        the weights converted to fp32 (the path without VNNI), fp16 panels, fp32 panels. ms per pass, GB/s of weights read, GFLOP/s. Each round alternates the variants; the
@@ -70,19 +70,22 @@ def variant_libs(parts: list[int]) -> dict:
     return libs
 
 
-def timed(fn, rounds: int, budget_s: float = 0.3) -> float:
-    """Best seconds per call of fn over rounds (each round at least budget_s, or one call)."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = time.perf_counter() - start
-    reps = max(1, int(budget_s / max(once, 1e-6)))
-    best = float("inf")
-    for _ in range(rounds):
+def timed(fns: dict, rounds: int, budget_s: float = 0.2) -> dict:
+    """name -> best seconds per call over rounds, the functions alternated within each round (each at least
+    budget_s a round, or one call)."""
+    reps = {}
+    for name, fn in fns.items():
+        fn()
         start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
+        fn()
+        reps[name] = max(1, int(budget_s / max(time.perf_counter() - start, 1e-6)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(reps[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / reps[name])
     return best
 
 
@@ -119,25 +122,24 @@ def gemm_part(rows_list: list[int], threads_list: list[int], rounds: int, parts:
         for m in rows_list:
             xs = {k: torch.randn(m, k, generator=gen) for k in {p.in_features for p in weights["fp32"]}}
             for threads in threads_list:
-                results = {}
+                fns = {}
                 for name in [*libs, "fp16", "fp32"]:
                     ws = weights["int8" if name in libs else name]
                     lib, level = libs[name] if name in libs else (cpu_native.library(), None)
-                    at = [0]
 
-                    def one_pass(ws=ws, at=at):
-                        for _ in range(per_pass):
-                            w = ws[at[0] % len(ws)]
-                            at[0] += 1
-                            cpu_native.packed_linear(xs[w.in_features], w)
+                    def one_pass(ws=ws, at=[0], lib=lib, level=level):
+                        with using(lib):
+                            lib.lp_set_threads(threads)
+                            lib.lp_int8_force(cpu_native.INT8_AMX if level is None else level)
+                            for _ in range(per_pass):
+                                w = ws[at[0] % len(ws)]
+                                at[0] += 1
+                                cpu_native.packed_linear(xs[w.in_features], w)
+                            lib.lp_int8_force(99)
+                            lib.lp_set_threads(0)
 
-                    with using(lib):
-                        lib.lp_set_threads(threads)
-                        if level is not None:
-                            lib.lp_int8_force(level)
-                        results[name] = timed(one_pass, rounds)
-                        lib.lp_int8_force(99)
-                        lib.lp_set_threads(0)
+                    fns[name] = one_pass
+                results = timed(fns, rounds)
                 cells = "  ".join(f"{name} {t * 1e3:8.2f} ms {elems * BYTES.get(name, 1) / t / 1e9:5.1f} GB/s "
                                   f"{2 * elems * m / t / 1e9:6.1f} GF/s" for name, t in results.items())
                 print(f"{label:>16} M={m:<4} t={threads}  {cells}", flush=True)
@@ -147,8 +149,8 @@ def gemm_part(rows_list: list[int], threads_list: list[int], rounds: int, parts:
         run("SmolLM2 pass", smol, len(smol["fp32"]), sum(w.out_features * w.in_features for w in smol["fp32"]))
         del smol
     if "llama8b" in shapes:
-        for label, (n, k) in LLAMA8B.items():  # >= 1 GiB of each kind: more than this machine's large L3
-            run(label, layers([(n, k)], 1 << 30), 1, n * k)
+        for label, (n, k) in LLAMA8B.items():  # >= 768 MiB of each kind: more than this machine's 480 MB L3
+            run(label, layers([(n, k)], 768 << 20), 1, n * k)
 
 
 def exact_part(tokens: int, parts: list[int]) -> None:

@@ -471,6 +471,9 @@ enum { I8_NONE = 0, I8_CVT = 1, I8_VNNI = 2, I8_AMX = 3 };
 #define AMX_REAL (16 / I8_PARTS)     /* rows of x in an AMX A tile: their parts are its rows */
 #define AMX_ROWS (AMX_REAL * I8_PARTS) /* rows of an A / C tile */
 #define I8_PAD_ROWS (2 * AMX_REAL)    /* quantized rows are padded to a multiple of this (two A tiles a step) */
+#ifndef I8_PREFETCH
+#define I8_PREFETCH 2048 /* bytes of the panel the VNNI loop asks for ahead of its loads (0: none) */
+#endif
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 2 /* one row: VNNI reads the weights as fast, without the tiles' padding */
 #endif
@@ -645,10 +648,10 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, uint8_t *xq, flo
     for (int j = 0; j < I8_PARTS; j++) memset(xq + j * kp + k, 128, (size_t)(kp - k));
 }
 
-/* m rows of x quantized into scratch: rows of I8_PARTS x kp bytes (then pad rows up to I8_PAD_ROWS), then the
- * scales [rows][I8_PARTS]. */
-static void quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, void *scratch, uint8_t **xq,
-                          float **xs) {
+/* m rows of x quantized into scratch: rows of I8_PARTS x kp bytes (then room for pad rows up to I8_PAD_ROWS,
+ * written when pad: AMX's tiles read them), then the scales [rows][I8_PARTS]. */
+static void quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, void *scratch, int pad,
+                          uint8_t **xq, float **xs) {
     const int64_t kp = I8_KP(k), rows = (m + I8_PAD_ROWS - 1) / I8_PAD_ROWS * I8_PAD_ROWS;
     *xq = (uint8_t *)scratch;
     *xs = (float *)(*xq + rows * I8_PARTS * kp);
@@ -656,7 +659,7 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k
     float *s = *xs;
 #pragma omp parallel for num_threads(lp_threads()) schedule(static) if (m > 1 && m * k >= (1 << 16))
     for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, kp, q + r * I8_PARTS * kp, s + r * I8_PARTS);
-    memset(*xq + m * I8_PARTS * kp, 128, (size_t)((rows - m) * I8_PARTS * kp));
+    if (pad) memset(*xq + m * I8_PARTS * kp, 128, (size_t)((rows - m) * I8_PARTS * kp));
 }
 
 /* out[0..LANES) of one row: scale * (sum over parts of s_j * (acc_j - colsum)) + bias, at column c of the weight
@@ -682,6 +685,10 @@ static inline __attribute__((always_inline)) void i8_vnni_tile(const uint8_t *xq
             for (int q = 0; q < I8_PARTS; q++) acc[r][v][q] = vi_zero();
     for (int64_t g = 0; g < k4; g += 4) {
         vi wv[PANEL_VECS];
+#if I8_PREFETCH
+        for (int v = 0; v < PANEL_VECS; v++)
+            _mm_prefetch((const char *)panel + g * NB + I8_PREFETCH + v * 64, _MM_HINT_T0);
+#endif
         for (int v = 0; v < PANEL_VECS; v++) wv[v] = vi_load(panel + g * NB + v * LANES * 4);
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < I8_PARTS; q++) {
@@ -885,14 +892,14 @@ static int gemm(const float *x, int64_t x_stride, const lp_weight *w, float *y, 
     uint8_t *xq = NULL;
     float *xs = NULL;
     void *own = NULL;
+    const int amx = level >= I8_AMX && m >= AMX_MIN_ROWS;
 #ifdef HAVE_VNNI
     if (level >= I8_VNNI) {
         if (!scratch) scratch = own = malloc((size_t)i8_scratch_bytes(m, k));
         if (!scratch) return -2;
-        quantize_rows(x, x_stride, m, k, scratch, &xq, &xs);
+        quantize_rows(x, x_stride, m, k, scratch, amx, &xq, &xs);
     }
 #endif
-    const int amx = level >= I8_AMX && m >= AMX_MIN_ROWS;
     (void)xq, (void)xs, (void)amx;
 #pragma omp parallel num_threads(lp_threads()) if (num_panels > 1 && (n * k >= (1 << 18) || m * n * k >= (1 << 22)))
     {
