@@ -136,6 +136,24 @@ def packed_linear(x, packed, out=None):
     return reference.fp16_linear(x, packed)
 
 
+def bf16_linear(x, weight, bias=None, out=None):
+    """x [M, K] fp32 @ weight.T (+ bias) -> [M, N] fp32 with weight a bf16 copy [N, K]: x rounded to bf16, products
+    summed in fp32 by torch's oneDNN (AMX tiles where the CPU has them), each output rounded to bf16, then the fp32
+    bias added; into `out` (fp32 [M, N]) when given. On the native ops' threads (set_native_threads)."""
+    threads, before = cpu_native.threads() or torch.get_num_threads(), torch.get_num_threads()
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), weight)
+        if out is None:
+            out = torch.empty(y.shape, dtype=torch.float32)
+        out.copy_(y)
+        return out if bias is None else out.add_(bias)
+    finally:
+        if threads != before:
+            torch.set_num_threads(before)
+
+
 def fp8_linear(x, weight, scale, block=None, bias=None):
     """x [..., K] @ W.T + bias -> [..., N] in x's dtype, W from FP8 weights: weight float8_e4m3fn [N, K] and scale
     [1] (per tensor), [N] (per output channel) or [ceil(N / bn), ceil(K / bk)] with block (bn, bk). W rounded to
@@ -200,6 +218,7 @@ def advance_decode(positions, slot_mapping, context_lens, block_tables, block_si
 
 __all__ = [
     "advance_decode",
+    "bf16_linear",
     "add_rms_norm",
     "check_model",
     "copy_blocks",

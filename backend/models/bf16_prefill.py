@@ -15,7 +15,7 @@ from loraplex.kernels import cpu_native
 # A step runs its prompt rows in bf16 from this many on: below it the native GEMM's fp32 is about as fast, and a
 # step of decodes with a short prompt beside them keeps the one-call decode forward (decision 074).
 MIN_ROWS = 64
-MODES = ("auto", "float32", "bfloat16")
+MODES = ("float32", "bfloat16")
 
 
 @functools.cache
@@ -49,24 +49,18 @@ def _bf16_kind(packed) -> bool:
 
 
 def enabled(mode: str, device, dtype: torch.dtype, packed: list[dict] | None) -> bool:
-    """Whether a model's prefill projections run in bf16 under prefill_dtype ``mode``: auto on a CPU with AMX-BF16
-    (fp32 engine, native fp32/fp16 panels), bfloat16 wherever the CPU has bf16 units (else ValueError naming why),
-    float32 never."""
+    """Whether a model's prefill projections run in bf16 under prefill_dtype ``mode``: bfloat16 on a CPU with bf16
+    units, an fp32 engine and the native fp32/fp16 panels (else ValueError naming what is missing), float32 never."""
     if mode not in MODES:
         raise ValueError(f"prefill_dtype must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "float32":
         return False
-    cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-    servable = packed is not None and all(_bf16_kind(p) for layer in packed for p in layer.values())
-    units = cpu_bf16_units() if cpu else None
-    if mode == "auto":
-        return servable and units == "amx"
-    if not cpu:
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
         raise ValueError("prefill_dtype bfloat16 is a CPU option with dtype float32 (on CUDA, dtype sets the GEMMs')")
-    if units is None:
+    if cpu_bf16_units() is None:
         raise ValueError("prefill_dtype bfloat16: this CPU has no bf16 units (AMX-BF16 or AVX-512 BF16) that torch's "
-                         "oneDNN can use; set prefill_dtype float32 or auto")
-    if not servable:
+                         "oneDNN can use; set prefill_dtype float32")
+    if packed is None or not all(_bf16_kind(p) for layer in packed for p in layer.values()):
         raise ValueError("prefill_dtype bfloat16 needs the native packed GEMM's fp32 or fp16 panels "
                          "(LORAPLEX_KERNELS=auto, a C compiler, weights not quantized)")
     return True
