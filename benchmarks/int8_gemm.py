@@ -163,7 +163,7 @@ def exact_part(tokens: int, parts: list[int]) -> None:
 
     model_dir = builtin_model("smollm2")[0]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     linears = {name: mod for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
     packed = {}
     for name, mod in linears.items():  # a tied lm_head shares the embedding: both read the dequantized values
