@@ -452,7 +452,7 @@ int lp_gemm_panel_width(void) { return NB; }
  * at one column tile are an AMX B tile. Three paths:
  * - VNNI (vpdpbusd: 4 products u8 x s8 summed into an int32 lane): each row of x is split into I8_PARTS int8 parts,
  *   x ~ s_1 q_1 + ... + s_P q_P with s_1 = max|x| / 127, s_j+1 = s_j / 254 and q_j the rounded remainder, so
- *   |x - sum| <= s_P / 2 (P = 3: max|x| / 16.4e6, below fp32's own rounding of the products). Parts are stored as
+ *   |x - sum| <= s_P / 2 (P = 3: max|x| / 16.4e6, about fp32's own rounding of a product). Parts are stored as
  *   u8 = q + 128: sum_k u8 * w = sum_k q * w + 128 * colsum[n] (stored with the panels, times 128), and
  *   y = scale * (s_1 (acc_1 - colsum) + ... + s_P (acc_P - colsum)) + bias. The int32 sums are exact (|w| <= 128,
  *   u8 <= 255, KP <= I8_MAX_K), so every path that sums them (VNNI, AMX) gives the same values, and each row's

@@ -4,7 +4,8 @@ They serve fp32 CPU tensors where torch would take several small ops a call: the
 add with RMSNorm, SiLU-and-multiply, RoPE on q and k in place, the KV write and paged decode
 attention straight from the block table (no gathered copies); the GEMM over weights packed
 in panels, fp16, fp32 or int8 (``Panels``, on CPUs with AVX-512 or AVX2+F16C+FMA; faster than FBGEMM's
-fp16 and MKL's fp32 at a decode's rows: decision 037; int8 on VNNI where the CPU has it: decision 071); the decode step's LoRA deltas (``lora_add``,
+fp16 and MKL's fp32 at a decode's rows: decision 037; int8 on AMX / VNNI where the CPU has them:
+decision 071); the decode step's LoRA deltas (``lora_add``,
 BGMV: each adapter's A and B.T read once for its rows); and a decode step's whole forward,
 LoRA deltas included (``DecodeForward``). `dispatch` routes a call here when ``serves`` says so and the
 library is built; else the torch reference runs. Without a C compiler (``$CC``, else ``cc``)
