@@ -1,6 +1,7 @@
 """The CPU prefill's projections in bf16 (``prefill_dtype``; decision 074): a step's prompt rows, when it has at
 least MIN_ROWS of them, multiply a bf16 copy of each packed projection through oneDNN (AMX tiles where the CPU
-has them, kernels.bf16_linear); every other row, and every decode step, keeps the packed fp32/fp16 GEMM."""
+has them, kernels.bf16_linear), op by op; every other row, and every decode step, keeps the packed fp32/fp16 GEMM
+(the step's other rows in the same op-by-op forward, a decode step in the one-call decode forward)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from loraplex import kernels
 from loraplex.kernels import cpu_native
 
-# A step runs its prompt rows in bf16 from this many on: below it the native GEMM's fp32 is about as fast, and a
-# step of decodes with a short prompt beside them keeps the one-call decode forward (decision 074).
-MIN_ROWS = 64
+# A step runs its prompt rows in bf16 from this many on: below it a step with decodes beside its prompt is faster in
+# the one-call decode forward, all in fp32 (decision 074).
+MIN_ROWS = 128
 MODES = ("float32", "bfloat16")
 
 
