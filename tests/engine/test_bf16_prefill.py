@@ -55,8 +55,8 @@ def test_copies_hold_the_served_weights_and_rows_split_exactly(half):
     [[(copy, copy_bias)]] = [list(layer.values()) for layer in bf16_prefill.bf16_copies([{"p": packed}])]
     stored = weight.half().float() if half else weight
     assert torch.equal(copy, stored.to(torch.bfloat16)) and torch.equal(copy_bias, bias)
-    x = torch.randn(70, 48)
-    mask = torch.ones(70, dtype=torch.bool)
+    x = torch.randn(bf16_prefill.MIN_ROWS + 2, 48)
+    mask = torch.ones(len(x), dtype=torch.bool)
     mask[[0, 33]] = False
     rows = bf16_prefill.prefill_rows(mask)
     y = bf16_prefill.linear(x, packed, (copy, copy_bias), rows)
