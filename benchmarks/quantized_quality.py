@@ -32,6 +32,8 @@ Rows, all on the same token ids:
   row is also compared with its own oracle (transformers on the same dequantized weights): the largest
   difference of a target token's logprob, and top-1 agreement.
 
+KL: the mean over the text's positions of KL(fp32 || format) of the next-token distributions (nats), and its
+99th percentile: the quantization's effect on every prediction, not only on the text's own tokens.
 Greedy agreement: "top-1" = the fraction of the text's positions whose argmax equals fp32's (transformers);
 "greedy": --prompts excerpts of the text (--prompt-tokens each, at evenly spaced offsets) continued greedily
 for --greedy-tokens tokens (ignoring EOS; transformers' generate, our engine's requests), each compared with
@@ -127,10 +129,31 @@ def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each target, argmax) of logits [T, V] in fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(1, targets[:, None])[:, 0], logits.argmax(dim=-1)
+class Scores:
+    """Per scored position, in order: the target's log-probability, the argmax and, against a reference's
+    log-probabilities (ref [positions, V]), KL(reference || this); keep: hold every row's log-probabilities (the
+    fp32 oracle's, the others' reference)."""
+
+    def __init__(self, ref: torch.Tensor | None = None, keep: bool = False):
+        self.ref, self.keep = ref, keep
+        self.logp, self.top, self.kl, self.rows = [], [], [], []
+        self.at = 0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self.logp.append(logp.gather(1, targets[:, None])[:, 0])
+        self.top.append(logits.argmax(dim=-1))
+        if self.ref is not None:
+            ref = self.ref[self.at:self.at + len(targets)]
+            self.kl.append((ref.exp() * (ref - logp)).sum(dim=-1))
+        if self.keep:
+            self.rows.append(logp)
+        self.at += len(targets)
+
+    def done(self) -> dict:
+        """{"logp", "top", "kl" (None without a reference), "full" (None unless kept)} as tensors."""
+        return {"logp": torch.cat(self.logp), "top": torch.cat(self.top),
+                "kl": torch.cat(self.kl) if self.kl else None, "full": torch.cat(self.rows) if self.keep else None}
 
 
 # ---- transformers (the oracle) ---------------------------------------------------------------------------
@@ -163,11 +186,10 @@ class Oracle:
             head.weight = original
 
     @torch.no_grad()
-    def teacher_forced(self, ids: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob, argmax) for positions 1..n-1, each window's forward in chunks over one KV cache."""
+    def teacher_forced(self, ids: torch.Tensor, spans: list[tuple[int, int, int]], scores: Scores) -> dict:
+        """scores of positions 1..n-1, each window's forward in chunks over one KV cache."""
         from transformers import DynamicCache
 
-        logps, tops = [], []
         for begin, end, first in spans:
             cache = DynamicCache()
             for a in range(begin, end, CHUNK):
@@ -175,10 +197,8 @@ class Oracle:
                 logits = self.model(input_ids=ids[None, a:b], cache=cache, use_cache=True).logits[0]
                 lo, hi = max(a, first - 1), min(b, end - 1, len(ids) - 1)  # rows predicting positions lo+1..hi
                 if hi > lo:
-                    lp, top = score(logits[lo - a:hi - a], ids[lo + 1:hi + 1])
-                    logps.append(lp)
-                    tops.append(top)
-        return torch.cat(logps), torch.cat(tops)
+                    scores.add(logits[lo - a:hi - a], ids[lo + 1:hi + 1])
+        return scores.done()
 
     @torch.no_grad()
     def greedy(self, prompts: torch.Tensor, steps: int) -> list[list[int]]:
@@ -211,20 +231,20 @@ def _attention(positions: torch.Tensor, context: int, blocks: int, decode: bool)
 def _forward(model, ids: torch.Tensor, positions: torch.Tensor, context: int, kv, blocks: int, decode: bool):
     """Logits [T, V] of one sequence's tokens at positions (its KV slots = its positions)."""
     attn = _attention(positions, context, blocks, decode)
-    if not decode and getattr(model, "prefill_weights", None) is not None:  # the runner marks prompt rows so
+    if not decode and hasattr(attn, "prompt_rows"):  # as the runner marks them (a chunk of one prompt: every row)
         attn.prompt_rows = torch.ones(len(positions), dtype=torch.bool)
     return model.logits(model.forward(ids, attn, kv, None))
 
 
 @torch.no_grad()
-def engine_teacher_forced(engine, ids: torch.Tensor, spans, decode_tokens: int):
-    """(logprob, argmax) for positions 1..n-1 through the engine's model (prompt forwards in chunks), and
-    (logprob, argmax) of the last decode_tokens positions through decode steps, one token each."""
+def engine_teacher_forced(engine, ids: torch.Tensor, spans, decode_tokens: int, ref: torch.Tensor):
+    """Scores (against ref, the fp32 oracle's log-probabilities) of positions 1..n-1 through the engine's model
+    (prompt forwards in chunks), and of the last decode_tokens positions through decode steps, one token each."""
     model, bs = engine.model, engine.config.block_size
     longest = max(end - begin for begin, end, _ in spans)
     blocks = -(-longest // bs)
     kv = model.allocate_kv_cache(blocks, bs)
-    logps, tops = [], []
+    prompt, decode = Scores(ref), Scores(ref[-decode_tokens:])
     for begin, end, first in spans:
         for a in range(begin, end, CHUNK):
             b = min(a + CHUNK, end)
@@ -232,9 +252,7 @@ def engine_teacher_forced(engine, ids: torch.Tensor, spans, decode_tokens: int):
             logits = _forward(model, ids[a:b], pos, b - begin, kv, blocks, decode=False)
             lo, hi = max(a, first - 1), min(b, end - 1, len(ids) - 1)
             if hi > lo:
-                lp, top = score(logits[lo - a:hi - a], ids[lo + 1:hi + 1])
-                logps.append(lp)
-                tops.append(top)
+                prompt.add(logits[lo - a:hi - a], ids[lo + 1:hi + 1])
     # decode path: the last window's prompt up to n - 1 - decode_tokens, then one token a step
     begin, end, _ = spans[-1]
     start = end - 1 - decode_tokens
@@ -242,13 +260,10 @@ def engine_teacher_forced(engine, ids: torch.Tensor, spans, decode_tokens: int):
     for a in range(begin, start, CHUNK):
         b = min(a + CHUNK, start)
         _forward(model, ids[a:b], torch.arange(a - begin, b - begin), b - begin, kv, blocks, decode=False)
-    dlp, dtop = [], []
     for t in range(start, end - 1):
         logits = _forward(model, ids[t:t + 1], torch.tensor([t - begin]), t - begin + 1, kv, blocks, decode=True)
-        lp, top = score(logits, ids[t + 1:t + 2])
-        dlp.append(lp)
-        dtop.append(top)
-    return (torch.cat(logps), torch.cat(tops)), (torch.cat(dlp), torch.cat(dtop))
+        decode.add(logits, ids[t + 1:t + 2])
+    return prompt.done(), decode.done()
 
 
 def engine_greedy(engine, prompts: torch.Tensor, steps: int) -> list[list[int]]:
@@ -272,22 +287,25 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def row_figures(logp, top, greedy, ref) -> dict:
-    """Perplexity and agreement with the fp32 oracle's (ref) figures."""
-    nll = -logp.double().mean().item()
+def row_figures(scores: dict, greedy: list[list[int]], ref: dict) -> dict:
+    """Perplexity, KL divergence from fp32 and agreement with the fp32 oracle's (ref) figures."""
+    nll = -scores["logp"].double().mean().item()
+    kl = scores["kl"].double()
     div = [first_divergence(g, r) for g, r in zip(greedy, ref["greedy"])]
     return {"ppl": math.exp(nll), "nll": nll, "ppl_ratio": math.exp(nll - ref["nll"]),
-            "top1_agree": (top == ref["top"]).double().mean().item(),
+            "kl_mean": kl.mean().item(), "kl_p99": kl.quantile(0.99).item(),
+            "top1_agree": (scores["top"] == ref["top"]).double().mean().item(),
             "greedy_identical": sum(d == len(g) for d, g in zip(div, greedy)), "first_divergence": div}
 
 
 def table(rows: list[dict], prompts: int, steps: int) -> str:
-    lines = ["| model | weights | perplexity | vs fp32 | top-1 = fp32 | greedy identical | first divergence "
-             "(min / median) | goal | met |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | weights | perplexity | vs fp32 | KL from fp32, mean / p99 | top-1 = fp32 | greedy identical | "
+             "first divergence (min / median) | goal | met |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         goal = GOALS.get(r["format"])
         met = "-" if goal is None or r["format"] == "fp32" else ("**yes**" if r["ppl_ratio"] <= goal else "no")
         lines.append(f"| {r['model']} | {r['what']} | {r['ppl']:.3f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | "
+                     f"{r['kl_mean']:.4f} / {r['kl_p99']:.3f} | "
                      f"{100 * r['top1_agree']:.2f}% | {r['greedy_identical']}/{prompts} | "
                      f"{min(r['first_divergence'])} / {statistics.median(r['first_divergence']):g} of {steps} | "
                      f"{'-' if goal is None else f'<= +{100 * (goal - 1):g}%'} | {met} |")
@@ -357,44 +375,47 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prompts} greedy prompts of {args.prompt_tokens} tokens x {args.greedy_tokens}; "
           f"{torch.get_num_threads()} torch threads", flush=True)
     started = time.monotonic()
-    oracle, rows, oracle_of = Oracle(model_dir), [], {}
+    oracle, rows, oracle_of, full = Oracle(model_dir), [], {}, None
     for name in dict.fromkeys(names + [n for n in engine_rows if n in fmts]):
         t0 = time.monotonic()
         oracle.use(fmts[name])
-        logp, top = oracle.teacher_forced(ids, spans)
+        scores = oracle.teacher_forced(ids, spans, Scores(full, keep=full is None))  # fp32 first: the reference
+        if full is None:
+            full = scores["full"]
+            scores["kl"] = torch.zeros(len(full))
         greedy = oracle.greedy(prompts, args.greedy_tokens)
-        oracle_of[name] = {"logp": logp, "top": top, "greedy": greedy, "nll": -logp.double().mean().item()}
+        oracle_of[name] = {"logp": scores["logp"], "top": scores["top"], "greedy": greedy,
+                           "nll": -scores["logp"].double().mean().item()}
         if name in names:
-            ref = oracle_of["fp32"]
             rows.append({"model": "transformers", "format": name, "what": fmts[name].what,
-                         **row_figures(logp, top, greedy, ref)})
+                         **row_figures(scores, greedy, oracle_of["fp32"])})
             print(f"[quality] transformers {name}: perplexity {rows[-1]['ppl']:.4f} "
-                  f"({100 * (rows[-1]['ppl_ratio'] - 1):+.2f}%) in {time.monotonic() - t0:.0f} s", flush=True)
-    oracle.use(fmts["fp32"])
+                  f"({100 * (rows[-1]['ppl_ratio'] - 1):+.2f}%), KL {rows[-1]['kl_mean']:.4f} in {time.monotonic() - t0:.0f} s", flush=True)
     del oracle
     engines = []
     for name in engine_rows:
         t0 = time.monotonic()
         engine = make_engine(model_dir, name, json.loads(args.engine_config))
-        (logp, top), (dlp, dtop) = engine_teacher_forced(engine, ids, spans, args.decode_tokens)
+        prompt, decode = engine_teacher_forced(engine, ids, spans, args.decode_tokens, full)
         greedy = engine_greedy(engine, prompts, args.greedy_tokens)
         label = getattr(getattr(engine.model, "quant", None), "label", name)
         del engine
         mine = oracle_of.get(name)
         row = {"model": f"ours ({label})", "format": name, "what": fmts[name].what if name in fmts else name,
-               **row_figures(logp, top, greedy, oracle_of["fp32"])}
+               **row_figures(prompt, greedy, oracle_of["fp32"]),
+               "decode_path": {"tokens": len(decode["logp"]), "kl_mean": decode["kl"].double().mean().item()}}
         if mine is not None:
-            n = len(dlp)
+            n = len(decode["logp"])
             row["vs_oracle"] = {
-                "max_logprob_diff": (logp - mine["logp"]).abs().max().item(),
-                "top1_agree": (top == mine["top"]).double().mean().item(),
-                "decode_max_logprob_diff": (dlp - mine["logp"][-n:]).abs().max().item(),
-                "decode_top1_agree": (dtop == mine["top"][-n:]).double().mean().item(),
+                "max_logprob_diff": (prompt["logp"] - mine["logp"]).abs().max().item(),
+                "top1_agree": (prompt["top"] == mine["top"]).double().mean().item(),
+                "decode_max_logprob_diff": (decode["logp"] - mine["logp"][-n:]).abs().max().item(),
+                "decode_top1_agree": (decode["top"] == mine["top"][-n:]).double().mean().item(),
                 "greedy_identical": sum(first_divergence(g, r) == len(g) for g, r in zip(greedy, mine["greedy"])),
                 "decode_tokens": n}
         engines.append(row)
-        print(f"[quality] engine {name}: perplexity {row['ppl']:.4f} ({100 * (row['ppl_ratio'] - 1):+.2f}%) "
-              f"in {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"[quality] engine {name}: perplexity {row['ppl']:.4f} ({100 * (row['ppl_ratio'] - 1):+.2f}%), "
+              f"KL {row['kl_mean']:.4f} in {time.monotonic() - t0:.0f} s", flush=True)
     wall = time.monotonic() - started
     print(f"\n{Path(model_dir).name}: {len(ids)} tokens of {args.text.name}, window {window}, stride {stride}; "
           f"greedy: {args.prompts} excerpts of {args.prompt_tokens} tokens, {args.greedy_tokens} tokens each\n")
