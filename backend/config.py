@@ -20,7 +20,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (fp32 on cpu, checkpoint dtype on cuda) | float32 | float16 | bfloat16
     weight_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, fp16 weights of the linear layers, fp32 compute
     lora_dtype: str = "auto"  # auto (= dtype) | float16: CPU only, adapter weights held in fp16, fp32 compute
-    prefill_dtype: str = "float32"  # float32 | bfloat16: a CPU step's prompt rows multiply in bf16 (AMX), decision 074
+    prefill_dtype: str = "float32"  # float32 | bf16x3 | bfloat16: a CPU step's prompt rows on AMX tiles, decision 074
     quantization: str = "auto"  # auto (the checkpoint's format) | none | int8 (CPU) | fp8 | int4 (GPU): decision 072
     quantization_fallback: str = "off"  # off | reference: a format the device has no kernel for runs the torch reference
     block_size: int = 16
@@ -76,7 +76,7 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype must be auto, float32, float16 or bfloat16"),
             (self.weight_dtype in ("auto", "float16"), "weight_dtype must be auto or float16"),
             (self.lora_dtype in ("auto", "float16"), "lora_dtype must be auto or float16"),
-            (self.prefill_dtype in ("float32", "bfloat16"), "prefill_dtype must be float32 or bfloat16"),
+            (self.prefill_dtype in ("float32", "bf16x3", "bfloat16"), "prefill_dtype must be float32, bf16x3 or bfloat16"),
             (self.quantization in ("auto", "none", "int8", "fp8", "int4"),
              "quantization must be auto, none, int8, fp8 or int4"),
             (self.quantization_fallback in ("off", "reference"), "quantization_fallback must be off or reference"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels import cpu_native, dispatch, reference
+from loraplex.kernels import amx_bf16, cpu_native, dispatch, reference
 from loraplex.kernels.dispatch import check_model, run, uses_kernels
 from loraplex.kernels.launch_args import attention_variant
 from loraplex.kernels.prefill_sdpa import remember_host_lengths
@@ -136,22 +136,20 @@ def packed_linear(x, packed, out=None):
     return reference.fp16_linear(x, packed)
 
 
-def bf16_linear(x, weight, bias=None, out=None):
-    """x [M, K] fp32 @ weight.T (+ bias) -> [M, N] fp32 with weight a bf16 copy [N, K]: x rounded to bf16, products
-    summed in fp32 by torch's oneDNN (AMX tiles where the CPU has them), each output rounded to bf16, then the fp32
-    bias added; into `out` (fp32 [M, N]) when given. On the native ops' threads (set_native_threads)."""
-    threads, before = cpu_native.threads() or torch.get_num_threads(), torch.get_num_threads()
-    if threads != before:
-        torch.set_num_threads(threads)
-    try:
-        y = torch.nn.functional.linear(x.to(torch.bfloat16), weight)
-        if out is None:
-            out = torch.empty(y.shape, dtype=torch.float32)
-        out.copy_(y)
-        return out if bias is None else out.add_(bias)
-    finally:
-        if threads != before:
-            torch.set_num_threads(before)
+def bf16_linear(x, packed, parts, out=None):
+    """x [M, K] fp32 @ W.T + b -> [M, N] fp32 on AMX-BF16 tiles (amx_bf16), W linear_pack's fp32 or fp16 panels: x and
+    W each split into parts bf16 parts, the products of parts i + j < parts summed in fp32 (2: bf16x3, 16 significant
+    bits of each; 1: plain bf16), the output fp32; into `out` (fp32 [M, N], rows contiguous) when given. On the
+    native ops' threads. Only where bf16_tiles(packed)."""
+    return amx_bf16.linear(x, packed, parts, cpu_native.threads(), out)
+
+
+def bf16_tiles(packed=None) -> bool:
+    """Whether bf16_linear runs here (AMX-BF16 in the CPU and compiler, the tiles granted, LORAPLEX_KERNELS auto) and,
+    given packed, takes it (fp32 or fp16 panels)."""
+    if dispatch.MODE != "auto" or not amx_bf16.available():
+        return False
+    return packed is None or (isinstance(packed, cpu_native.Panels) and amx_bf16.serves(packed))
 
 
 def fp8_linear(x, weight, scale, block=None, bias=None):
@@ -219,6 +217,7 @@ def advance_decode(positions, slot_mapping, context_lens, block_tables, block_si
 __all__ = [
     "advance_decode",
     "bf16_linear",
+    "bf16_tiles",
     "add_rms_norm",
     "check_model",
     "copy_blocks",

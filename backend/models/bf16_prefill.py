@@ -1,97 +1,59 @@
-"""The CPU prefill's projections in bf16 (``prefill_dtype``; decision 074): a step's prompt rows, when it has at
-least MIN_ROWS of them, multiply a bf16 copy of each packed projection through oneDNN (AMX tiles where the CPU
-has them, kernels.bf16_linear), op by op; every other row, and every decode step, keeps the packed fp32/fp16 GEMM
-(the step's other rows in the same op-by-op forward, a decode step in the one-call decode forward)."""
+"""The CPU prefill's projections on AMX-BF16 tiles (``prefill_dtype``; decision 074): a step's prompt rows, when it
+has at least MIN_ROWS of them, multiply the packed fp32/fp16 panels through kernels.bf16_linear, op by op, x and W
+each split into bf16 parts (bf16x3: two, three products, 16 significant bits of each; bfloat16: one). Every other
+row, and every decode step, keeps the packed GEMM (the step's other rows in the same op-by-op forward, a decode step
+in the one-call decode forward)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from loraplex import kernels
-from loraplex.kernels import cpu_native
 
-# A step runs its prompt rows in bf16 from this many on: below it a step with decodes beside its prompt is faster in
-# the one-call decode forward, all in fp32 (decision 074).
+# A step runs its prompt rows on the tiles from this many on: below it a step with decodes beside its prompt is
+# faster in the one-call decode forward, all on the packed GEMM (decision 074).
 MIN_ROWS = 128
-MODES = ("float32", "bfloat16")
+PARTS = {"float32": 0, "bf16x3": 2, "bfloat16": 1}  # prefill_dtype -> bf16 parts of x and W (0: the packed GEMM)
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+def tiles_available() -> bool:
+    """Whether kernels.bf16_linear runs here (AMX-BF16 in this CPU and compiler, the tiles granted by Linux)."""
+    return kernels.bf16_tiles()
 
 
-def cpu_bf16_units() -> str | None:
-    """The bf16 matrix units torch's oneDNN would use here: "amx" (AMX-BF16 tiles), "avx512_bf16", or None."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    flags = _cpu_flags()
-    if {"amx_bf16", "amx_tile"} <= flags or (not flags and torch.cpu._is_amx_tile_supported()):
-        return "amx"
-    if "avx512_bf16" in flags or (not flags and torch.cpu._is_avx512_bf16_supported()):
-        return "avx512_bf16"
-    return None
-
-
-def _bf16_kind(packed) -> bool:
-    """Whether a packed projection is one whose stored values a bf16 copy can take (fp32 or fp16 panels)."""
-    return isinstance(packed, cpu_native.Panels) and packed.kind in (torch.float32, torch.float16)
-
-
-def enabled(mode: str, device, dtype: torch.dtype, packed: list[dict] | None) -> bool:
-    """Whether a model's prefill projections run in bf16 under prefill_dtype ``mode``: bfloat16 on a CPU with bf16
-    units, an fp32 engine and the native fp32/fp16 panels (else ValueError naming what is missing), float32 never."""
-    if mode not in MODES:
-        raise ValueError(f"prefill_dtype must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "float32":
-        return False
+def parts(mode: str, device, dtype: torch.dtype, packed: list[dict] | None) -> int:
+    """bf16 parts of a model's prefill GEMMs under prefill_dtype ``mode`` (0: the packed GEMM, float32's); ValueError
+    naming what is missing where bf16x3 or bfloat16 cannot run: a CPU fp32 engine, AMX-BF16 tiles, the native
+    fp32/fp16 panels."""
+    if mode not in PARTS:
+        raise ValueError(f"prefill_dtype must be one of {', '.join(PARTS)}, not {mode!r}")
+    if not PARTS[mode]:
+        return 0
     if torch.device(device).type != "cpu" or dtype != torch.float32:
-        raise ValueError("prefill_dtype bfloat16 is a CPU option with dtype float32 (on CUDA, dtype sets the GEMMs')")
-    if cpu_bf16_units() is None:
-        raise ValueError("prefill_dtype bfloat16: this CPU has no bf16 units (AMX-BF16 or AVX-512 BF16) that torch's "
-                         "oneDNN can use; set prefill_dtype float32")
-    if packed is None or not all(_bf16_kind(p) for layer in packed for p in layer.values()):
-        raise ValueError("prefill_dtype bfloat16 needs the native packed GEMM's fp32 or fp16 panels "
+        raise ValueError(f"prefill_dtype {mode} is a CPU option with dtype float32 (on CUDA, dtype sets the GEMMs')")
+    if not tiles_available():
+        raise ValueError(f"prefill_dtype {mode} needs AMX-BF16 tiles, which this CPU (or its compiler or kernel) "
+                         "does not give; set prefill_dtype float32")
+    if packed is None or not all(kernels.bf16_tiles(p) for layer in packed for p in layer.values()):
+        raise ValueError(f"prefill_dtype {mode} needs the native packed GEMM's fp32 or fp16 panels "
                          "(LORAPLEX_KERNELS=auto, a C compiler, weights not quantized)")
-    return True
-
-
-def _unpacked(p: cpu_native.Panels) -> torch.Tensor:
-    """The weight [N, K] a panel packing holds, in fp32 (panels are [N / NB, K, NB])."""
-    num, k, width = p.panels.shape
-    return p.panels.float().transpose(1, 2).reshape(num * width, k)[: p.out_features]
-
-
-def bf16_copies(packed: list[dict]) -> list[dict]:
-    """Per layer: packed name -> (its weight's stored values rounded to bf16 [N, K], its fp32 bias or None)."""
-    return [{name: (_unpacked(p).to(torch.bfloat16).contiguous(),
-                    None if p.bias is None else p.bias[: p.out_features].clone())
-             for name, p in layer.items()} for layer in packed]
+    return PARTS[mode]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillRows:
-    """A step's rows that run in bf16 (a slice where they are one run, else int64 indices) and the others
+    """A step's rows that run on the tiles (a slice where they are one run, else int64 indices) and the others
     (int64 indices; None when every row is a prompt row)."""
 
-    bf16: slice | torch.Tensor
-    fp32: torch.Tensor | None
+    tiles: slice | torch.Tensor
+    packed: torch.Tensor | None
 
 
 def prefill_rows(prompt_rows: torch.Tensor | None) -> PrefillRows | None:
-    """The rows of a step whose projections run in bf16, from its prompt-row mask (bool [T]; None: a decode step),
-    or None when it has fewer than MIN_ROWS prompt rows."""
+    """The rows of a step whose projections run on the tiles, from its prompt-row mask (bool [T]; None: a decode
+    step), or None when it has fewer than MIN_ROWS prompt rows."""
     if prompt_rows is None:
         return None
     rows = prompt_rows.nonzero().squeeze(1)
@@ -105,15 +67,14 @@ def prefill_rows(prompt_rows: torch.Tensor | None) -> PrefillRows | None:
     return PrefillRows(run, (~prompt_rows).nonzero().squeeze(1))
 
 
-def linear(x: torch.Tensor, packed, copy: tuple, rows: PrefillRows) -> torch.Tensor:
-    """x @ W.T + b [T, N] fp32: rows.bf16 through the bf16 copy, rows.fp32 through the packed GEMM."""
-    weight, bias = copy
-    if rows.fp32 is None:
-        return kernels.bf16_linear(x, weight, bias)
+def linear(x: torch.Tensor, packed, num_parts: int, rows: PrefillRows) -> torch.Tensor:
+    """x @ W.T + b [T, N] fp32: rows.tiles on the tiles in num_parts parts, rows.packed through the packed GEMM."""
+    if rows.packed is None:
+        return kernels.bf16_linear(x, packed, num_parts)
     y = x.new_empty(x.shape[0], packed.out_features)
-    if isinstance(rows.bf16, slice):
-        kernels.bf16_linear(x[rows.bf16], weight, bias, out=y[rows.bf16])
+    if isinstance(rows.tiles, slice):
+        kernels.bf16_linear(x[rows.tiles], packed, num_parts, out=y[rows.tiles])
     else:
-        y.index_copy_(0, rows.bf16, kernels.bf16_linear(x.index_select(0, rows.bf16), weight, bias))
-    y.index_copy_(0, rows.fp32, kernels.packed_linear(x.index_select(0, rows.fp32), packed))
+        y.index_copy_(0, rows.tiles, kernels.bf16_linear(x.index_select(0, rows.tiles), packed, num_parts))
+    y.index_copy_(0, rows.packed, kernels.packed_linear(x.index_select(0, rows.packed), packed))
     return y

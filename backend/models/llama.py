@@ -43,7 +43,7 @@ class AttentionBatch:
     context_lens: torch.Tensor  # int32 [B]: cached + new tokens
     cu_query_lens: torch.Tensor  # int32 [B+1]
     is_decode: bool  # every sequence has exactly one new token
-    # CPU steps with prefill, where the model runs prompt rows in bf16 (bf16_prefill): bool [T], the rows of
+    # CPU steps with prefill, where the model runs prompt rows on AMX tiles (bf16_prefill): bool [T], the rows of
     # sequences with more than one new token
     prompt_rows: torch.Tensor | None = None
 
@@ -160,7 +160,7 @@ class LlamaModel:
         self.fused_sizes: dict[str, list[int]] = {}  # FUSED name -> its modules' output widths
         self.packed_lm_head = None
         self.native_decode = None  # cpu_native.DecodeForward: a decode step in one native call, LoRA included
-        self.prefill_weights: list[dict] | None = None  # per layer: packed name -> bf16 copy (set_prefill_dtype)
+        self.prefill_parts = 0  # bf16 parts of the prefill's GEMMs on AMX tiles, 0: off (set_prefill_dtype)
         self._bf16_rows = None  # the step's bf16_prefill.PrefillRows, while forward runs one
         self.lm_head_t = None  # CPU fp32: the lm_head as [hidden, vocab], contiguous
         self.fused_weights: list[dict] | None = None  # per layer: FUSED name -> (weight, bias), unpacked models
@@ -231,10 +231,9 @@ class LlamaModel:
             self.fused_weights.append(fused)
 
     def set_prefill_dtype(self, mode: str) -> None:
-        """prefill_dtype (decision 074): where bf16 is on, a bf16 copy of each packed projection, which a CPU step's
-        prompt rows multiply (bf16_prefill); ValueError where mode asks for bf16 and this model or CPU cannot."""
-        on = bf16_prefill.enabled(mode, self.device, self.dtype, self.packed)
-        self.prefill_weights = bf16_prefill.bf16_copies(self.packed) if on else None
+        """prefill_dtype (decision 074): the bf16 parts a CPU step's prompt rows multiply the packed projections in,
+        on AMX tiles (bf16_prefill); ValueError where mode asks for bf16 and this model or CPU cannot."""
+        self.prefill_parts = bf16_prefill.parts(mode, self.device, self.dtype, self.packed)
 
     def _fused_sizes(self) -> dict[str, list[int]]:
         """FUSED name -> its modules' output widths."""
@@ -296,8 +295,7 @@ class LlamaModel:
 
     def _proj(self, layer_idx: int, module: str, x: torch.Tensor, lora: LoraPlan | None) -> torch.Tensor:
         if self._bf16_rows is not None:  # a prefill step's prompt rows in bf16
-            y = bf16_prefill.linear(x, self.packed[layer_idx][module], self.prefill_weights[layer_idx][module],
-                                    self._bf16_rows)
+            y = bf16_prefill.linear(x, self.packed[layer_idx][module], self.prefill_parts, self._bf16_rows)
         elif self.packed is not None:
             y = qlinear.packed_linear(x, self.packed[layer_idx][module])
         else:
@@ -311,7 +309,7 @@ class LlamaModel:
         """FUSED[fused]'s modules' outputs for input x, each with its LoRA delta: one GEMM split by views if packed."""
         modules = FUSED[fused]
         if self._bf16_rows is not None:  # a prefill step's prompt rows in bf16
-            ys = bf16_prefill.linear(x, self.packed[layer_idx][fused], self.prefill_weights[layer_idx][fused],
+            ys = bf16_prefill.linear(x, self.packed[layer_idx][fused], self.prefill_parts,
                                      self._bf16_rows).split(self.fused_sizes[fused], dim=1)
         elif self.packed is not None:
             ys = qlinear.packed_linear(x, self.packed[layer_idx][fused]).split(self.fused_sizes[fused], dim=1)
@@ -339,7 +337,7 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         # a CPU step with enough prompt rows runs them in bf16 op by op, its other rows in fp32 (decision 074)
-        bf16 = self._bf16_rows = None if self.prefill_weights is None else bf16_prefill.prefill_rows(attn.prompt_rows)
+        bf16 = self._bf16_rows = bf16_prefill.prefill_rows(attn.prompt_rows) if self.prefill_parts else None
         if attn.is_decode and self.native_decode is not None and (lora is None or lora.one_call) and bf16 is None:
             slots, token_slots = (None, None) if lora is None else (lora.backend.slots, lora.token_slots)
             return self.native_decode(h, attn.positions, attn.slot_mapping, attn.block_tables, attn.context_lens,

@@ -95,7 +95,7 @@ class ModelRunner:
                 cu_query_lens=self._tensor(step.cu),
                 is_decode=step.is_decode,
             )
-            if not step.is_decode and self.model.prefill_weights is not None:  # prompt rows in bf16 (decision 074)
+            if not step.is_decode and self.model.prefill_parts:  # prompt rows on AMX tiles (decision 074)
                 counts = np.diff(step.cu)
                 attn.prompt_rows = self._tensor(np.repeat(counts > 1, counts))
             if not attn.is_decode and not self._on_cpu:  # prefill attention needs the lengths on the host
