@@ -1,5 +1,6 @@
-"""Prefill-sized GEMMs on the CPU: the native packed GEMM (fp16 and fp32 panels, kernels.packed_linear) against
-torch's own: fp32 (MKL), fp32 with oneDNN's bf16 math mode (AMX where the CPU has it: fp32 in and out, inputs
+"""Prefill-sized GEMMs on the CPU: the native packed GEMM (fp16 and fp32 panels, kernels.packed_linear), the same
+panels on AMX-BF16 tiles (kernels.bf16_linear: bf16x3, two parts of x and W; bf16, one part; where the CPU has the
+tiles), and torch's own: fp32 (MKL), fp32 with oneDNN's bf16 math mode (AMX where present: fp32 in and out, inputs
 rounded to bf16, fp32 sums), and bf16 in and out.
 
     python benchmarks/prefill_gemm.py [--rows 16,64,256,1024,2048] [--threads 1,2] [--shapes qkv,o,gate_up,down]
@@ -46,6 +47,10 @@ def candidates(n: int, k: int, half_panels, f32_panels, w32: torch.Tensor, w16: 
     if half_panels is not None:
         out["ours fp16 panels"] = lambda x: kernels.packed_linear(x, half_panels)
         out["ours fp32 panels"] = lambda x: kernels.packed_linear(x, f32_panels)
+    if half_panels is not None and kernels.bf16_tiles(f32_panels):
+        out["tiles bf16x3, fp32 panels"] = lambda x: kernels.bf16_linear(x, f32_panels, 2)
+        out["tiles bf16x3, fp16 panels"] = lambda x: kernels.bf16_linear(x, half_panels, 2)
+        out["tiles bf16, fp32 panels"] = lambda x: kernels.bf16_linear(x, f32_panels, 1)
     out["torch fp32"] = lambda x: F.linear(x, w32)
     out["torch fp32, bf16 math"] = lambda x: fp32_bf16_math(x, w32)
     out["torch bf16 (x cast in, y cast out)"] = lambda x: F.linear(x.to(torch.bfloat16), w16).float()
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN "
           f"{torch.backends.mkldnn.is_available()}, AMX tiles {torch.cpu._is_amx_tile_supported()}, "
-          f"AVX-512 BF16 {torch.cpu._is_avx512_bf16_supported()}, native panels {cpu_native.panels_native()}")
+          f"AVX-512 BF16 {torch.cpu._is_avx512_bf16_supported()}, native panels {cpu_native.panels_native()}, "
+          f"our AMX-BF16 tiles {kernels.bf16_tiles()}")
     results = []
     torch.manual_seed(0)
     for threads in (int(t) for t in args.threads.split(",")):
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 if cpu_native.panels_native() else (None, None)
             fns = candidates(n, k, *panels, w32, w32.to(torch.bfloat16))
             print(f"\n{shape} (N {n}, K {k}), {threads} thread(s): GFLOP/s, best of {args.repeats}")
-            print(f"{'M':>6}  " + "  ".join(f"{name:>24}" for name in fns))
+            print(f"{'M':>6}  " + "  ".join(f"{name:>26}" for name in fns))
             for m in rows:
                 x = torch.randn(m, k)
                 best = {name: float("inf") for name in fns}
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                     for name, fn in fns.items():
                         best[name] = min(best[name], bench(fn, x, 1))
                 flops = 2 * m * n * k
-                print(f"{m:>6}  " + "  ".join(f"{flops / best[name] / 1e9:>24.1f}" for name in fns), flush=True)
+                print(f"{m:>6}  " + "  ".join(f"{flops / best[name] / 1e9:>26.1f}" for name in fns), flush=True)
                 results.append({"threads": threads, "shape": shape, "n": n, "k": k, "m": m,
                                 "seconds": best, "gflops": {name: flops / s / 1e9 for name, s in best.items()}})
     if args.json:
