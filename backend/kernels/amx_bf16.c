@@ -27,7 +27,7 @@
 #define BLOCK 16                   /* rows or columns of a tile */
 #define KSTEP 32                   /* k of a tile row (bf16) */
 #define TILE_ELEMS (BLOCK * KSTEP) /* bf16 in a tile */
-#define M_CHUNK 256                /* rows of x split and multiplied at a time (their parts stay in L2) */
+#define M_CHUNK 256                /* rows of x a task multiplies (their parts stay in L2) */
 
 static int amx_state = -1; /* -1: not asked yet; 0: refused; 1: granted */
 
@@ -68,10 +68,10 @@ static inline void split16(__m512 v, int parts, __m256bh out[MAX_PARTS]) {
 }
 
 /* x rows [r0, r0 + rows) -> xp[p][row][kp] bf16 parts, rows up to rows_padded and k up to kp zero; inside a parallel
- * region, its rows shared out (the loop ends in a barrier). */
+ * region, its rows handed out in runs (the loop ends in a barrier). */
 static void split_rows(const float *x, int64_t x_stride, int64_t r0, int64_t rows, int64_t rows_padded, int64_t k,
                        int64_t kp, int parts, uint16_t *xp) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows_padded; r++) {
         for (int64_t i = 0; i < kp; i += 16) {
             const int64_t left = r < rows ? k - i : 0;
@@ -152,49 +152,50 @@ int lp_bf16_gemm(const float *x, int64_t x_stride, const void *panels, int half,
     for (int i = 0; i < parts; i++) /* by x part, so each A tile is loaded once a step */
         for (int j = 0; i + j < parts; j++) pi[np] = i, pj[np] = j, np++;
     const int nthreads = threads > 0 ? threads : omp_get_max_threads();
+    const int64_t rows_padded = (m + 2 * BLOCK - 1) / (2 * BLOCK) * (2 * BLOCK);
+    const int64_t chunks = (rows_padded + M_CHUNK - 1) / M_CHUNK, tasks = chunks * col_pairs;
     const size_t b_elems = (size_t)2 * parts * kb * TILE_ELEMS;
-    uint16_t *xp = aligned_alloc(64, (size_t)parts * M_CHUNK * kp * sizeof(uint16_t));
+    uint16_t *xp = aligned_alloc(64, (size_t)parts * rows_padded * kp * sizeof(uint16_t));
     uint16_t *bp = aligned_alloc(64, b_elems * nthreads * sizeof(uint16_t));
     if (!xp || !bp) {
         free(xp), free(bp);
         return -1;
     }
-    for (int64_t r0 = 0; r0 < m; r0 += M_CHUNK) {
-        const int64_t rows = m - r0 < M_CHUNK ? m - r0 : M_CHUNK;
-        const int64_t rows_padded = (rows + 2 * BLOCK - 1) / (2 * BLOCK) * (2 * BLOCK);
+    /* one parallel region: the rows split (a barrier), then (row chunk, column pair) tasks handed out one at a time,
+     * chunk by chunk, so a thread that loses its core delays only the task it holds */
 #pragma omp parallel num_threads(nthreads)
-        {
-            split_rows(x, x_stride, r0, rows, rows_padded, k, kp, parts, xp);
-            load_config();
-            uint16_t *mine = bp + b_elems * omp_get_thread_num();
+    {
+        split_rows(x, x_stride, 0, m, rows_padded, k, kp, parts, xp);
+        load_config();
+        uint16_t *mine = bp + b_elems * omp_get_thread_num();
+        int64_t split_cp = -1; /* the column pair whose B tiles mine holds */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t cp = 0; cp < col_pairs; cp++) {
-                const int64_t col0 = cp * 2 * BLOCK;
-                split_columns(panels, half, nb, k, kb, col0, parts, mine);
-                for (int64_t rb = 0; rb < rows_padded; rb += 2 * BLOCK) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t s = 0; s < kb; s++)
-                        for (int q = 0; q < np; q++) {
-                            if (q == 0 || pi[q] != pi[q - 1]) { /* the pairs go by x part: one A load each */
-                                const uint16_t *a = xp + (pi[q] * rows_padded + rb) * kp + s * KSTEP;
-                                _tile_loadd(4, a, kp * 2);
-                                _tile_loadd(5, a + BLOCK * kp, kp * 2);
-                            }
-                            _tile_loadd(6, mine + ((0 * parts + pj[q]) * kb + s) * TILE_ELEMS, 64);
-                            _tile_loadd(7, mine + ((1 * parts + pj[q]) * kb + s) * TILE_ELEMS, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t cp = t % col_pairs, r_end = (t / col_pairs + 1) * M_CHUNK, col0 = cp * 2 * BLOCK;
+            if (cp != split_cp) split_columns(panels, half, nb, k, kb, col0, parts, mine), split_cp = cp;
+            for (int64_t rb = (t / col_pairs) * M_CHUNK; rb < r_end && rb < rows_padded; rb += 2 * BLOCK) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < kb; s++)
+                    for (int q = 0; q < np; q++) {
+                        if (q == 0 || pi[q] != pi[q - 1]) { /* the pairs go by x part: one A load each */
+                            const uint16_t *a = xp + (pi[q] * rows_padded + rb) * kp + s * KSTEP;
+                            _tile_loadd(4, a, kp * 2);
+                            _tile_loadd(5, a + BLOCK * kp, kp * 2);
                         }
-                    store_block(y, y_stride, r0 + rb, col0, m, n, bias);
-                }
+                        _tile_loadd(6, mine + ((0 * parts + pj[q]) * kb + s) * TILE_ELEMS, 64);
+                        _tile_loadd(7, mine + ((1 * parts + pj[q]) * kb + s) * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                store_block(y, y_stride, rb, col0, m, n, bias);
             }
-            _tile_release();
         }
+        _tile_release();
     }
     free(xp);
     free(bp);
