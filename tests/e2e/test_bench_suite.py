@@ -40,7 +40,7 @@ def test_quick_suite_measures_every_goal_and_writes_plots_and_the_docs_section(t
     out, plots = tmp_path / "suite.json", tmp_path / "plots"
     run = subprocess.run([sys.executable, str(BENCHMARKS / "suite.py"), "--quick", "--json", str(out),
                           "--artifacts", str(tmp_path / "artifacts"), "--docs", str(doc), "--plots-dir", str(plots)],
-                         check=True, timeout=900, stdout=subprocess.PIPE, text=True)
+                         check=True, timeout=1200, stdout=subprocess.PIPE, text=True)
     report = json.loads(out.read_text())
     assert list(report["parts"]) == list(suite.PARTS) and report["quick"]
 
