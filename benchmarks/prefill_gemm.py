@@ -5,11 +5,17 @@ rounded to bf16, fp32 sums), and bf16 in and out.
 
     python benchmarks/prefill_gemm.py [--rows 16,64,256,1024,2048] [--threads 1,2] [--shapes qkv,o,gate_up,down]
         [--repeats 5] [--json PATH]
+    python benchmarks/prefill_gemm.py --steps MODEL_DIR [--prompts 64,128,256,512] [--decodes 0,16] [--repeats 4]
 
 Shapes are SmolLM2-135M's projections (hidden 576, intermediate 1536, q/k/v fused 576 + 2 * 192, vocabulary
 49,152); each figure is the best of --repeats timed calls (GFLOP/s = 2 * M * N * K / time). The candidates take
 turns within each repeat, so a slower moment of a shared machine hits them alike. The ISA oneDNN picked is
 printed (run with ONEDNN_VERBOSE=1 to see each call).
+
+--steps: one engine step that prefills a prompt of P tokens (with D sequences decoding beside it) under each
+prefill_dtype, engines built side by side (prefix cache off, 2 native threads, 1 torch thread, the server's),
+taking turns, best of --repeats, bf16_prefill.MIN_ROWS set to 1 so every size takes the tiles: where the tiles
+start to pay (MIN_ROWS, decision 074).
 """
 
 from __future__ import annotations
@@ -68,6 +74,59 @@ def bench(fn, x, repeats: int) -> float:
     return best
 
 
+def step_seconds(engine, prompt: str, decodes: int, tag: str) -> float:
+    """Seconds of the one step that prefills prompt, decodes sequences (started first) beside it."""
+    from loraplex.engine.request import SamplingParams
+
+    params = SamplingParams.from_dict({"max_tokens": 64, "temperature": 0, "ignore_eos": True})
+    ids = [f"{tag}-d{i}" for i in range(decodes)]
+    for rid in ids:
+        engine.add_request(engine.make_request(rid, "hi there", params))
+    if decodes:
+        engine.step(), engine.step()
+    ids.append(f"{tag}-p")
+    engine.add_request(engine.make_request(ids[-1], prompt, SamplingParams.from_dict({"max_tokens": 1})))
+    started = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - started
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    return seconds
+
+
+def main_steps(args: argparse.Namespace) -> int:
+    """--steps: prefill steps under each prefill_dtype."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.models import bf16_prefill
+
+    bf16_prefill.MIN_ROWS = 1
+    torch.set_num_threads(1)
+    modes = ["float32", *(["bf16x3", "bfloat16"] if bf16_prefill.tiles_available() else [])]
+    engines = {mode: LLMEngine(EngineConfig(model_dir=args.steps, native_threads=2, prefill_dtype=mode,
+                                            enable_prefix_caching=False, max_model_len=2048, num_kv_blocks=1024))
+               for mode in modes}
+    tokenizer = engines["float32"].tokenizer
+    print(f"{args.steps}: one step's seconds (ms), best of {args.repeats}; the tiles' speed-up over float32")
+    for decodes in (int(d) for d in args.decodes.split(",")):
+        for tokens in (int(p) for p in args.prompts.split(",")):
+            words = []
+            while len(tokenizer(" ".join(words)).input_ids) < tokens:
+                words.append(WORDS[len(words) % len(WORDS)])
+            prompt, best = " ".join(words), dict.fromkeys(modes, float("inf"))
+            for r in range(args.repeats):
+                for mode, engine in engines.items():
+                    best[mode] = min(best[mode], step_seconds(engine, prompt, decodes, f"{mode}-{tokens}-{r}"))
+            print(f"prompt {tokens:5d} tokens, {decodes:3d} decoding: " + "  ".join(
+                f"{mode} {best[mode] * 1e3:7.1f} ({best['float32'] / best[mode]:.2f}x)" for mode in modes), flush=True)
+    return 0
+
+
+WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -77,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per candidate; the best counts")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--steps", metavar="MODEL_DIR", help="time engine prefill steps of this checkpoint instead")
+    ap.add_argument("--prompts", default="64,128,256,512", help="--steps: comma-separated prompt lengths (tokens)")
+    ap.add_argument("--decodes", default="0,16", help="--steps: comma-separated counts of sequences decoding beside")
     args = ap.parse_args(argv)
+    if args.steps:
+        return main_steps(args)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN "
           f"{torch.backends.mkldnn.is_available()}, AMX tiles {torch.cpu._is_amx_tile_supported()}, "
