@@ -27,7 +27,7 @@
 #define BLOCK 16                   /* rows or columns of a tile */
 #define KSTEP 32                   /* k of a tile row (bf16) */
 #define TILE_ELEMS (BLOCK * KSTEP) /* bf16 in a tile */
-#define M_CHUNK 256                /* rows of x a task multiplies (their parts stay in L2) */
+#define M_CHUNK 256                /* rows of x a task multiplies */
 
 static int amx_state = -1; /* -1: not asked yet; 0: refused; 1: granted */
 
@@ -161,8 +161,9 @@ int lp_bf16_gemm(const float *x, int64_t x_stride, const void *panels, int half,
         free(xp), free(bp);
         return -1;
     }
-    /* one parallel region: the rows split (a barrier), then (row chunk, column pair) tasks handed out one at a time,
-     * chunk by chunk, so a thread that loses its core delays only the task it holds */
+    /* one parallel region: the rows split (a barrier), then (column pair, row chunk) tasks handed out one at a time,
+     * so a thread that loses its core delays only the task it holds; a thread's next task is mostly of the same
+     * column pair, whose B tiles it keeps */
 #pragma omp parallel num_threads(nthreads)
     {
         split_rows(x, x_stride, 0, m, rows_padded, k, kp, parts, xp);
@@ -171,9 +172,9 @@ int lp_bf16_gemm(const float *x, int64_t x_stride, const void *panels, int half,
         int64_t split_cp = -1; /* the column pair whose B tiles mine holds */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t cp = t % col_pairs, r_end = (t / col_pairs + 1) * M_CHUNK, col0 = cp * 2 * BLOCK;
+            const int64_t cp = t / chunks, r_end = (t % chunks + 1) * M_CHUNK, col0 = cp * 2 * BLOCK;
             if (cp != split_cp) split_columns(panels, half, nb, k, kb, col0, parts, mine), split_cp = cp;
-            for (int64_t rb = (t / col_pairs) * M_CHUNK; rb < r_end && rb < rows_padded; rb += 2 * BLOCK) {
+            for (int64_t rb = (t % chunks) * M_CHUNK; rb < r_end && rb < rows_padded; rb += 2 * BLOCK) {
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
