@@ -104,7 +104,7 @@ def weights_from(tensors: dict):
     from loraplex.models import llama
 
     load = llama.load_safetensors
-    llama.load_safetensors = lambda model_dir, dtype, device: tensors
+    llama.load_safetensors = lambda model_dir, dtype, device, keep=None: tensors
     try:
         yield
     finally:
