@@ -111,9 +111,14 @@ def llama_servers(args, model: str, checkpoint: Path, threads: list[int], slots:
                      "command": servers[0].command if servers else []}
 
 
-def run_one(server, prompts: list[str], adapters: list[str], max_tokens: int) -> float:
+def run_one(server, prompts: list[str], adapters: list[str], max_tokens: int, decode_rates: list) -> float:
+    """tok/s of the prompts sent at once; decode_rates gets llama-server's own decode-only tok/s (its median over
+    the requests; nothing for ours)."""
     if isinstance(server, llamacpp.LlamaServer):
-        return llamacpp.through_llama(server.http_url, prompts, adapters, max_tokens)
+        rates: list[float] = []
+        tok_s = llamacpp.through_llama(server.http_url, prompts, adapters, max_tokens, rates)
+        decode_rates.append(statistics.median(rates))
+        return tok_s
     return through_triton(server.http_url, prompts, adapters, max_tokens)
 
 
@@ -142,11 +147,12 @@ def ratios(runs: dict, workload: str, num: str, *dens: str) -> dict | None:
 
 def summary(report: dict) -> tuple[str, str]:
     """(the tok/s table, the goals table) in markdown."""
-    runs = {(r["workload"], r["server"]): r["tok_s"] for r in report["runs"]}
-    lines = ["| workload | server | tok/s each round | best | median |", "|---|---|---|---|---|"]
-    for (workload, server), values in runs.items():
-        lines.append(f"| {workload} | {server} | {' '.join(f'{v:.1f}' for v in values)} | {max(values):.1f} | "
-                     f"{statistics.median(values):.1f} |")
+    lines = ["| workload | server | tok/s each round | best | median | llama.cpp's decode-only tok/s (its timings) |",
+             "|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        values, own = r["tok_s"], r.get("decode_tok_s")
+        lines.append(f"| {r['workload']} | {r['server']} | {' '.join(f'{v:.1f}' for v in values)} | {max(values):.1f} | "
+                     f"{statistics.median(values):.1f} | {' '.join(f'{v:.1f}' for v in own) if own else '-'} |")
     goals = ["| goal | ratio | each round | median | best runs | asked | met (median) |", "|---|---|---|---|---|---|---|"]
     for g in report["goals"]:
         r = g["ratio"]
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = {**ours, **{f"llama.cpp q8_0 -t {s.threads}": s for s in llamas}}
     log(f"logs in {work}")
     runs: dict[tuple[str, str], list[float]] = {}
+    decode: dict[tuple[str, str], list[float]] = {}  # llama-server's decode-only tok/s (its timings)
     loads = []
     try:
         with ThreadPoolExecutor(len(servers)) as pool:  # started together: their start-ups overlap
@@ -200,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             for workload, names, prompts, names_of_adapters in workloads:
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
-                    tok_s = run_one(servers[name], prompts, names_of_adapters, args.max_tokens)
+                    tok_s = run_one(servers[name], prompts, names_of_adapters, args.max_tokens,
+                                    decode.setdefault((workload, name), []))
                     runs.setdefault((workload, name), []).append(tok_s)
             loads.append(load_average())
             log(f"round {r + 1}/{args.rounds}: " + "; ".join(f"{w} {n} {v[-1]:.1f}" for (w, n), v in runs.items())
@@ -217,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch_threads, "native_threads": native_threads, "llama_threads": threads,
         "llama": llama_info, "engine_config": extra, "answers": answers,
         "load_before": load_before, "load_rounds": loads, "load_after": load_average(), "cpus": os.cpu_count(),
-        "runs": [{"workload": w, "server": n, "tok_s": v} for (w, n), v in runs.items()],
+        "runs": [{"workload": w, "server": n, "tok_s": v, **({"decode_tok_s": decode[w, n]} if decode.get((w, n)) else {})}
+                 for (w, n), v in runs.items()],
         "goals": [
             {"key": "single_vs_fp16", "what": "one stream, int8 / fp16", "asked": GOALS["single_vs_fp16"],
              "ratio": ratios(runs, "single", "int8", "fp16")},
