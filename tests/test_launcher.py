@@ -261,9 +261,9 @@ def test_killed_serve_takes_its_server_and_stubs_along(tmp_path, demo):
         launcher.kill()
         wait_gone(sessions, timeout=exit_timeout + 20)  # the guard ends the group after exit timeout + 5 s
         wait_ended(streams, timeout=5)
-        for s in streams:
+        for s in streams:  # each ended once: cut by the shutdown, or whole within Triton's exit timeout
             kind, _, text = s.only_ending()
-            assert kind == "error" and ("UNAVAILABLE" in text or "the model is shutting down" in text), text
+            assert kind == "final" or ("UNAVAILABLE" in text or "the model is shutting down" in text), text
         assert regions and not any(Path("/dev/shm", r).exists() for r in regions if r)
 
 
