@@ -375,7 +375,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prompts} greedy prompts of {args.prompt_tokens} tokens x {args.greedy_tokens}; "
           f"{torch.get_num_threads()} torch threads", flush=True)
     started = time.monotonic()
-    oracle, rows, oracle_of, full = Oracle(model_dir), [], {}, None
+    oracle, rows, oracle_of, full, engines = Oracle(model_dir), [], {}, None, []
+
+    def save(wall: float | None = None) -> None:
+        """The figures so far into --json (after every row: a failure later keeps them; wall None: unfinished)."""
+        if args.json:
+            text = args.text.relative_to(ROOT) if args.text.is_relative_to(ROOT) else args.text
+            Path(args.json).write_text(json.dumps({
+                "model_dir": model_dir, "text": str(text), "tokens": len(ids), "window": window, "stride": stride,
+                "windows": len(spans), "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+                "greedy_tokens": args.greedy_tokens, "decode_tokens": args.decode_tokens, "goals": GOALS,
+                "rows": rows, "engine_rows": engines, "torch_threads": torch.get_num_threads(), "wall_s": wall,
+                "quick": args.quick}, indent=1) + "\n")
+
     for name in dict.fromkeys(names + [n for n in engine_rows if n in fmts]):
         t0 = time.monotonic()
         oracle.use(fmts[name])
@@ -391,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                          **row_figures(scores, greedy, oracle_of["fp32"])})
             print(f"[quality] transformers {name}: perplexity {rows[-1]['ppl']:.4f} "
                   f"({100 * (rows[-1]['ppl_ratio'] - 1):+.2f}%), KL {rows[-1]['kl_mean']:.4f} in {time.monotonic() - t0:.0f} s", flush=True)
+            save()
     del oracle
-    engines = []
     for name in engine_rows:
         t0 = time.monotonic()
         engine = make_engine(model_dir, name, json.loads(args.engine_config))
@@ -414,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy_identical": sum(first_divergence(g, r) == len(g) for g, r in zip(greedy, mine["greedy"])),
                 "decode_tokens": n}
         engines.append(row)
+        save()
         print(f"[quality] engine {name}: perplexity {row['ppl']:.4f} ({100 * (row['ppl_ratio'] - 1):+.2f}%), "
               f"KL {row['kl_mean']:.4f} in {time.monotonic() - t0:.0f} s", flush=True)
     wall = time.monotonic() - started
@@ -425,14 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nOur engine against transformers on the same (dequantized) weights:\n")
         print(exactness_table(checked))
     print(f"\nwall time {wall:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "model_dir": model_dir, "text": str(args.text.relative_to(ROOT) if args.text.is_relative_to(ROOT)
-                                                 else args.text),
-            "tokens": len(ids), "window": window, "stride": stride, "windows": len(spans),
-            "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "greedy_tokens": args.greedy_tokens,
-            "decode_tokens": args.decode_tokens, "goals": GOALS, "rows": rows, "engine_rows": engines,
-            "torch_threads": torch.get_num_threads(), "wall_s": wall, "quick": args.quick}, indent=1) + "\n")
+    save(wall)
     return 0
 
 
