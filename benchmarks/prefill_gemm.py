@@ -6,6 +6,7 @@ rounded to bf16, fp32 sums), and bf16 in and out.
     python benchmarks/prefill_gemm.py [--rows 16,64,256,1024,2048] [--threads 1,2] [--shapes qkv,o,gate_up,down]
         [--repeats 5] [--json PATH]
     python benchmarks/prefill_gemm.py --steps MODEL_DIR [--prompts 64,128,256,512] [--decodes 0,16] [--repeats 4]
+    python benchmarks/prefill_gemm.py --exact MODEL_DIR [--adapters name=dir,...] [--scale 1] [--max-tokens 16]
 
 Shapes are SmolLM2-135M's projections (hidden 576, intermediate 1536, q/k/v fused 576 + 2 * 192, vocabulary
 49,152); each figure is the best of --repeats timed calls (GFLOP/s = 2 * M * N * K / time). The candidates take
@@ -16,6 +17,11 @@ printed (run with ONEDNN_VERBOSE=1 to see each call).
 prefill_dtype, engines built side by side (prefix cache off, 2 native threads, 1 torch thread, the server's),
 taking turns, best of --repeats, bf16_prefill.MIN_ROWS set to 1 so every size takes the tiles: where the tiles
 start to pay (MIN_ROWS, decision 074).
+
+--exact: six prompts (each alone and with each adapter) in one batch, greedy, through the engine under each
+prefill_dtype (prefix cache off), against transformers + peft teacher-forced: the worst |logprob| difference of
+the chosen tokens and how many sequences' greedy tokens equal peft's (decision 074's numerics; --scale lengthens
+the prompts, 40-105 characters times it).
 """
 
 from __future__ import annotations
@@ -124,6 +130,35 @@ def main_steps(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_exact(args: argparse.Namespace) -> int:
+    """--exact: each prefill_dtype's tokens and logprobs against peft's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from exactness import run_greedy_logprobs
+    from peft_reference import teacher_forced_logits
+
+    from loraplex.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.models import bf16_prefill
+
+    adapters = dict(a.split("=", 1) for a in args.adapters.split(",")) if args.adapters else {}
+    prompts = [(" ".join(WORDS[i:] + WORDS[:i]) * args.scale)[: (40 + 13 * i) * args.scale] for i in range(6)]
+    batch = {f"{i}:{lora}": (p, lora) for i, p in enumerate(prompts) for lora in [None, *adapters]}
+    modes = ["float32", *(["bf16x3", "bfloat16"] if bf16_prefill.tiles_available() else [])]
+    for mode in modes:
+        engine = LLMEngine(EngineConfig(model_dir=args.exact, prefill_dtype=mode, enable_prefix_caching=False,
+                                        max_model_len=2048, num_kv_blocks=1024, max_loras=max(1, len(adapters)),
+                                        max_lora_rank=64, multi_lora=adapters))
+        requests, tokens, logprobs = run_greedy_logprobs(engine, batch, args.max_tokens)
+        worst, equal = 0.0, 0
+        for rid, (_, lora) in batch.items():
+            ref = teacher_forced_logits(args.exact, adapters.get(lora), requests[rid].prompt_token_ids, tokens[rid])
+            want = torch.log_softmax(ref, -1).gather(1, torch.tensor(tokens[rid])[:, None])[:, 0]
+            worst = max(worst, float((torch.tensor(logprobs[rid]) - want).abs().max()))
+            equal += tokens[rid] == ref.argmax(-1).tolist()
+        print(f"{mode}: worst |logprob - peft's| {worst:.2g}, greedy tokens equal {equal}/{len(batch)}", flush=True)
+    return 0
+
+
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
 
 
@@ -139,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", metavar="MODEL_DIR", help="time engine prefill steps of this checkpoint instead")
     ap.add_argument("--prompts", default="64,128,256,512", help="--steps: comma-separated prompt lengths (tokens)")
     ap.add_argument("--decodes", default="0,16", help="--steps: comma-separated counts of sequences decoding beside")
+    ap.add_argument("--exact", metavar="MODEL_DIR", help="numerics of each prefill_dtype against peft instead")
+    ap.add_argument("--adapters", default="", help="--exact: comma-separated name=PEFT dir")
+    ap.add_argument("--scale", type=int, default=1, help="--exact: prompt length multiplier")
+    ap.add_argument("--max-tokens", type=int, default=16, help="--exact: greedy tokens a sequence")
     args = ap.parse_args(argv)
     if args.steps:
         return main_steps(args)
+    if args.exact:
+        return main_exact(args)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN "
           f"{torch.backends.mkldnn.is_available()}, AMX tiles {torch.cpu._is_amx_tile_supported()}, "
