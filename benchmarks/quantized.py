@@ -1,7 +1,7 @@
 """SmolLM2 served in int8 against our fp16 and llama.cpp's q8_0, through Triton, in one run (issue 41's CPU goals).
 
     python benchmarks/quantized.py [--max-tokens 128] [--rounds 5] [--mixed-streams 16] [--llama-threads N,...]
-        [--engine-config JSON] [--no-llama] [--quick] [--json PATH]
+        [--engine-config JSON] [--int8-config JSON] [--fp16-config JSON] [--no-llama] [--quick] [--json PATH]
 
 Servers, all started and warmed before any timing, on the same SmolLM2-135M-Instruct checkpoint
 (.cache/smollm2/model, fp32 on disk):
@@ -18,7 +18,8 @@ Servers, all started and warmed before any timing, on the same SmolLM2-135M-Inst
              (`tilezero`) in this version on the AMX-capable CPU of our VMs; without it q8_0 runs
              ggml's AVX-512 VNNI dot products, as llama.cpp does on every x86 CPU without AMX.
 Both of ours run with the server's default threads (`make serve`'s: 1 torch thread, every CPU for the native
-loops on 2 CPUs; printed); --engine-config adds knobs to both.
+loops on 2 CPUs; printed); --engine-config adds knobs to both, --int8-config / --fp16-config to one (e.g.
+each at the native threads it is fastest at).
 
 Workloads (greedy, `ignore_eos`, exactly --max-tokens tokens a request, chat-templated questions):
   single  one base-model stream (the "light client": triton_overhead.py's HTTP `generate_stream` client for
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one llama-server per value (its -t/-tb); default: our native threads (equal threads)")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--engine-config", default="{}", help="engine knobs (JSON) added to both of ours")
+    ap.add_argument("--int8-config", default="{}", help="engine knobs (JSON) of the int8 server only, over those")
+    ap.add_argument("--fp16-config", default="{}", help="engine knobs (JSON) of the fp16 server only, over those")
     ap.add_argument("--llama-cpp-python", default=llamacpp.LLAMA_CPP_PYTHON,
                     help="llama-cpp-python sdist whose vendored llama.cpp is built (default: %(default)s)")
     ap.add_argument("--llama-server", type=Path, help="an existing llama-server binary instead of the cached build")
@@ -145,6 +148,14 @@ def ratios(runs: dict, workload: str, num: str, *dens: str) -> dict | None:
     return {"per_round": per_round, "median": statistics.median(per_round), "best": max(a) / max(b)}
 
 
+def threads_text(report: dict) -> str:
+    """Each of our servers' threads, in words."""
+    servers = report.get("servers") or {"ours": {"torch_threads": report["torch_threads"],
+                                                 "native_threads": report["native_threads"]}}
+    return "; ".join(f"{name} {s['torch_threads']} torch + {s['native_threads']} native threads"
+                     for name, s in servers.items())
+
+
 def summary(report: dict) -> tuple[str, str]:
     """(the tok/s table, the goals table) in markdown."""
     lines = ["| workload | server | tok/s each round | best | median | llama.cpp's decode-only tok/s (its timings) |",
@@ -170,18 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.max_tokens, args.rounds, args.mixed_streams, args.no_llama = 8, 1, min(args.mixed_streams, 2), True
     extra = json.loads(args.engine_config)
+    configs = {"int8": {**extra, **json.loads(args.int8_config)},
+               "fp16": {**extra, "weight_dtype": "float16", **json.loads(args.fp16_config)}}
     model_flags, checkpoint, _ = model_and_adapters(argparse.Namespace(model_dir=None, model=model, adapters="base"))
     adapters = ADAPTERS[model]
-    torch_threads, native_threads = server_threads(extra)
+    threads_of = {name: server_threads(config) for name, config in configs.items()}  # (torch, native)
+    torch_threads, native_threads = threads_of["int8"]
     threads = [int(t) for t in args.llama_threads.split(",") if t] or [native_threads]
     load_before = load_average()
-    log(f"load average before: {load_before} ({os.cpu_count()} CPUs); ours: {torch_threads} torch, "
-        f"{native_threads} native threads")
+    log(f"load average before: {load_before} ({os.cpu_count()} CPUs); "
+        + "; ".join(f"{name}: {t} torch, {n} native threads" for name, (t, n) in threads_of.items()))
     work = Path(tempfile.mkdtemp(prefix="quantized-bench-"))
-    ours = {"int8": Launcher([*model_flags, "--quantization", "int8"], extra, work / "store-int8",
+    ours = {"int8": Launcher([*model_flags, "--quantization", "int8"], configs["int8"], work / "store-int8",
                              work / "loraplex-serve-int8.log"),
-            "fp16": Launcher(model_flags, {**extra, "weight_dtype": "float16"}, work / "store-fp16",
-                             work / "loraplex-serve-fp16.log")}
+            "fp16": Launcher(model_flags, configs["fp16"], work / "store-fp16", work / "loraplex-serve-fp16.log")}
     llamas, llama_info = ([], {}) if args.no_llama else llama_servers(
         args, model, checkpoint, threads, max(1, args.mixed_streams), work)
     servers = {**ours, **{f"llama.cpp q8_0 -t {s.threads}": s for s in llamas}}
@@ -217,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
     mixed = f"mixed x{args.mixed_streams}"
-    equal = f"llama.cpp q8_0 -t {native_threads}"  # equal threads
+    equal = f"llama.cpp q8_0 -t {native_threads}"  # as many threads as int8's native loops
     llama_names = [n for n in servers if n.startswith("llama")]
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": model, "max_tokens": args.max_tokens,
         "rounds": args.rounds, "mixed_streams": args.mixed_streams, "adapters": adapters,
         "torch_threads": torch_threads, "native_threads": native_threads, "llama_threads": threads,
+        "servers": {name: {"engine_config": configs[name], "torch_threads": t, "native_threads": n}
+                    for name, (t, n) in threads_of.items()},
         "llama": llama_info, "engine_config": extra, "answers": answers,
         "load_before": load_before, "load_rounds": loads, "load_after": load_average(), "cpus": os.cpu_count(),
         "runs": [{"workload": w, "server": n, "tok_s": v, **({"decode_tok_s": decode[w, n]} if decode.get((w, n)) else {})}
@@ -239,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
              "asked": GOALS["mixed_vs_fp16"], "ratio": ratios(runs, mixed, "int8", "fp16")},
         ]}
     tok_table, goals_table = summary(report)
-    print(f"\n{model}, {args.max_tokens} greedy tokens a request (ignore_eos), {args.rounds} rounds; ours "
-          f"{torch_threads} torch + {native_threads} native threads\n")
+    print(f"\n{model}, {args.max_tokens} greedy tokens a request (ignore_eos), {args.rounds} rounds; "
+          f"{threads_text(report)}\n")
     print(tok_table)
     print()
     print(goals_table)

@@ -356,7 +356,7 @@ def report_markdown(report: dict, plots: list[str]) -> str:
         tok_table, ratio_table = quantized.summary(q)
         out += ["### Quantized bases: throughput (issue 41)", "",
                 f"{q['model']} through Triton, {q['max_tokens']} greedy tokens a request, {q['rounds']} rounds "
-                f"alternated; ours {q['torch_threads']} torch + {q['native_threads']} native threads; load average "
+                f"alternated; {quantized.threads_text(q)}; load average "
                 f"before {q['load_before']}, after {q['load_after']} (`benchmarks/quantized.py`).", "",
                 tok_table, "", ratio_table, ""]
     out += [f"![{Path(path).stem}]({path})" for path in plots]
