@@ -157,8 +157,10 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
 # ---- 2. KV exhaustion ------------------------------------------------------------------------
 
 def test_kv_exhaustion_preempts_without_losing_or_repeating_tokens(tiny_kv_server, tokenizer):
-    # 12 sequences of up to 8 blocks each against a 32-block pool: preemption is certain
-    jobs = [(f"Preempt me {i}: " + "abcdefghij" * (1 + i % 3), LORAS[i % 3], 40 + 4 * i) for i in range(12)]
+    # byte-level prompts of 15-45 tokens and 160-248 new tokens: each sequence needs 11-19 of the 32 blocks, so
+    # any three running at once overflow the pool, however far apart the streams start (on a fast machine the
+    # old 40-84 tokens ended before the next streams began, and nothing was preempted)
+    jobs = [(f"Preempt me {i}: " + "abcdefghij" * (1 + i % 3), LORAS[i % 3], 160 + 8 * i) for i in range(12)]
     assert_idle(tiny_kv_server, TINY_BLOCKS)
     crowd = run_streams(tiny_kv_server.grpc_url, [StreamJob(p, greedy(n, lora), "crowd") for p, lora, n in jobs])
     preempted = scrape(tiny_kv_server, "loraplex_preemptions_total")
