@@ -147,19 +147,20 @@ class EngineConfig:
         return EngineConfig.from_dict(values)
 
 
-def native_cpu_threads(configured: int = 0, environ=os.environ) -> int:
-    """Threads of the native CPU ops' parallel loops (the fp16 GEMM, decode attention): configured if > 0;
-    else OMP_NUM_THREADS when set (the operator's choice); else every CPU this process may use. Unlike
-    torch's static splits, those loops hand out their work a panel or a sequence at a time, so a thread
-    that loses its core to Triton's threads delays only what it holds (decision 034; figures in
-    docs/benchmarks.md).
+def native_cpu_threads(configured: int = 0, environ=os.environ, int8: bool = False) -> int:
+    """Threads of the native CPU ops' parallel loops (the fp16/int8 GEMM, decode attention): configured if > 0;
+    else OMP_NUM_THREADS when set (the operator's choice); else every CPU this process may use, but one
+    for an int8 base (at least 1). Unlike torch's static splits, those loops hand out their work a panel
+    or a sequence at a time, so a thread that loses its core to Triton's threads delays only what it holds
+    (decision 034). An int8 step is short and bound by weight bytes: a thread on every CPU gains it
+    nothing and loses more to the serving threads taking its core (decision 079).
     environ: the environment the engine runs in (a benchmark asks for a server's)."""
     if configured > 0:
         return configured
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"])
     from loraplex.launch.cpus import usable_cpus  # affinity capped by the cgroup quota (decision 056)
-    return usable_cpus()
+    return max(1, usable_cpus() - int8)
 
 
 def serving_cpu_threads(environ=os.environ) -> int:

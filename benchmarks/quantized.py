@@ -17,8 +17,8 @@ Servers, all started and warmed before any timing, on the same SmolLM2-135M-Inst
              layout of q8_0 is ggml's AMX buffer type, whose kernel dies of an illegal instruction
              (`tilezero`) in this version on the AMX-capable CPU of our VMs; without it q8_0 runs
              ggml's AVX-512 VNNI dot products, as llama.cpp does on every x86 CPU without AMX.
-Both of ours run with the server's default threads (`make serve`'s: 1 torch thread, every CPU for the native
-loops on 2 CPUs; printed); --engine-config adds knobs to both, --int8-config / --fp16-config to one (e.g.
+Both of ours run with the server's default threads (`make serve`'s on 2 CPUs: 1 torch thread; native loops
+on every CPU for fp16, every CPU but one for int8, decision 079; printed); --engine-config adds knobs to both, --int8-config / --fp16-config to one (e.g.
 each at the native threads it is fastest at).
 
 Workloads (greedy, `ignore_eos`, exactly --max-tokens tokens a request, chat-templated questions):

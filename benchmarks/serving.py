@@ -305,7 +305,8 @@ def server_threads(engine_config: dict, env: dict | None = None) -> tuple[int, i
 
     environ = server_environment(env)
     torch_threads = engine_config.get("cpu_threads") or serving_cpu_threads(environ) or int(environ["OMP_NUM_THREADS"])
-    return torch_threads, native_cpu_threads(engine_config.get("native_threads", 0), environ)
+    return torch_threads, native_cpu_threads(engine_config.get("native_threads", 0), environ,
+                                             int8=engine_config.get("quantization") == "int8")
 
 
 class Launcher:

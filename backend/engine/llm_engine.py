@@ -92,6 +92,8 @@ class LLMEngine:
         self.model = LlamaModel(config.model_dir, self.dtype, self.device, max_len, hf_config,
                                 fp16_weights=config.weight_dtype == "float16", quantization=config.quantization,
                                 quantization_fallback=config.quantization_fallback)
+        if self.device.type == "cpu" and self.model.quant.served == "int8":  # one CPU left to the serving threads
+            kernels.set_native_threads(native_cpu_threads(config.native_threads, int8=True))
         self.model.set_prefill_dtype(config.prefill_dtype)  # bf16 copies for the CPU prefill (decision 074)
         self.max_model_len = max_len
         self.max_prompt_bytes = config.max_prompt_bytes or max_len * longest_token_bytes(self.tokenizer)

@@ -53,10 +53,33 @@ def test_native_loops_take_every_cpu_unless_told(monkeypatch):
         EngineConfig(native_threads=-1)
 
 
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (16, 15)])
+def test_native_loops_of_an_int8_base_leave_one_cpu(monkeypatch, cpus, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert config.native_cpu_threads(int8=True) == threads
+    assert config.native_cpu_threads(3, int8=True) == 3
+
+
 def test_the_engine_sets_the_native_threads(demo):
     from loraplex import kernels
 
     _engine_sets(demo, "native_threads", 3, kernels.native_threads, kernels.set_native_threads)
+
+
+def test_an_int8_engine_leaves_one_cpu_to_the_serving_threads(demo, monkeypatch):
+    from loraplex import kernels
+    from loraplex.engine.llm_engine import LLMEngine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(2)))
+    before = kernels.native_threads()
+    try:
+        for quantization, threads in (("none", 2), ("int8", 1)):
+            LLMEngine(EngineConfig(model_dir=str(demo["model"]), num_kv_blocks=16, quantization=quantization))
+            assert kernels.native_threads() == threads, quantization
+    finally:
+        kernels.set_native_threads(before)
 
 
 def test_a_benchmarked_server_does_not_inherit_the_harness_threads(monkeypatch):
