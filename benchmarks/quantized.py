@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                "fp16": {**extra, "weight_dtype": "float16", **json.loads(args.fp16_config)}}
     model_flags, checkpoint, _ = model_and_adapters(argparse.Namespace(model_dir=None, model=model, adapters="base"))
     adapters = ADAPTERS[model]
-    threads_of = {name: server_threads(config) for name, config in configs.items()}  # (torch, native)
+    threads_of = {"int8": server_threads({**configs["int8"], "quantization": "int8"}),  # (torch, native threads)
+                  "fp16": server_threads(configs["fp16"])}
     torch_threads, native_threads = threads_of["int8"]
     threads = [int(t) for t in args.llama_threads.split(",") if t] or [native_threads]
     load_before = load_average()

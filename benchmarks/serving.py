@@ -788,7 +788,7 @@ def measure_w1(w1: W1, name: str, engine_config: dict, peer_names: list[str], ar
     if (len(jobs), sum(j.max_tokens for j in jobs)) != (w1.requests, w1.output_total):
         raise RuntimeError(f"AIPerf sent {len(jobs)} requests for {sum(j.max_tokens for j in jobs)} tokens, the "
                            f"dataset has {w1.requests} for {w1.output_total}")
-    threads = server_threads(engine_config)[0]
+    threads = max(server_threads(engine_config))  # the CPUs the server computes on: its native loops' (decision 080)
     results = measure_peers(peer_names, model_dir, adapters_dir, jobs, w1.peer_batch, threads)
     return {"workload": asdict(w1), "config": name, "engine_config": engine_config, "adapters": adapters,
             "torch_threads": threads, "ours": ours, "peers": results, "ratios": w1_ratios(ours, results)}
@@ -850,7 +850,7 @@ def main_w1(args: argparse.Namespace, run_dir: Path) -> int:
     print(format_w1_table(report))
     print(f"\nuseful output tokens/s = the {report['ours']['adapters']['output_tokens_asked']} tokens the requests "
           f"asked for / wall time (ours: AIPerf's benchmark duration, prefill included); peers in-process with "
-          f"{report['torch_threads']} torch thread(s), the server engine's. "
+          f"{report['torch_threads']} torch thread(s), as many as the server's native loops. "
           f"Wall time {time.monotonic() - started:.0f} s.")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
