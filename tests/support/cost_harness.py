@@ -5,7 +5,8 @@ Both sizes run in one child (one start-up). A case is a module-level function of
 (not timed) and returns a zero-argument callable that runs the code under test on it (timed). The callable may
 raise: a refusal is an outcome, and its cost is what is measured. ``assert_linear(case, n, ...)`` runs the
 case at n and 2n and asserts the cost at 2n is under ``max_seconds`` and at most ``max_ratio`` times the cost
-at n (linear is 2; quadratic is 4). Costs are the child's CPU seconds (all its threads), so a busy machine
+at n (linear is 2; quadratic is 4); a case that misses either is measured once more, best of three calls,
+and judged on that (CI once failed a linear case at ratio 3.11: one call stretched 1.6x on a shared machine). Costs are the child's CPU seconds (all its threads), so a busy machine
 (tests run two at a time on two cores) stretches neither side of the ratio; the wall clock only bounds a hang. A child that runs out of memory or time fails the assertion, naming the
 case and the size.
 """
@@ -70,8 +71,12 @@ def assert_linear(case, n: int, *, max_seconds: float, max_ratio: float = 3.0, m
                   timeout_s: float | None = None, repeats: int = 3) -> tuple[Cost, Cost]:
     """Assert ``case`` costs at most ``max_seconds`` at 2n and at most ``max_ratio`` times its cost at n."""
     timeout = timeout_s if timeout_s is not None else max(30.0, 10 * max_seconds)
-    small, large = measure(case, [n, 2 * n], mem_mb=mem_mb, timeout_s=timeout, repeats=repeats)
-    ratio = max(large.seconds, FLOOR_S) / max(small.seconds, FLOOR_S)
+    for _ in range(2):  # a miss gets a second look, best of three: noise does not repeat, a super-linear cost does
+        small, large = measure(case, [n, 2 * n], mem_mb=mem_mb, timeout_s=timeout, repeats=repeats)
+        ratio = max(large.seconds, FLOOR_S) / max(small.seconds, FLOOR_S)
+        if large.seconds <= max_seconds and ratio <= max_ratio:
+            break
+        repeats = max(repeats, 3)
     where = f"{case.__name__}: {small.seconds * 1e3:.1f} ms at n={n}, {large.seconds * 1e3:.1f} ms at 2n"
     assert large.seconds <= max_seconds, f"{where}: over its bound of {max_seconds:g} s"
     assert ratio <= max_ratio, f"{where}: ratio {ratio:.2f} > {max_ratio:g} (super-linear)"
