@@ -46,11 +46,6 @@ def reference_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> to
     return y.to(x.dtype)
 
 
-def _kernel(name: str):
-    """kernels.<name> once its launcher exists (helper 41-C's fp8_linear, w4a16_linear), else None."""
-    return getattr(kernels, name, None)
-
-
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T + bias for a plain weight, a canonical form or Parts."""
     if isinstance(w, torch.Tensor):
@@ -59,9 +54,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         sizes = [p.shape[0] for p in w.parts]
         biases = [None] * len(sizes) if bias is None else bias.split(sizes)
         return torch.cat([linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
-    if isinstance(w, Fp8Weight) and _kernel("fp8_linear") is not None:
+    if isinstance(w, Fp8Weight):  # the kernel where the device runs one, else (dispatch) the torch reference
         return kernels.fp8_linear(x, w.weight, w.scale, w.block, bias)
-    if isinstance(w, Int4Weight) and _kernel("w4a16_linear") is not None:
+    if isinstance(w, Int4Weight):
         xs = x if w.perm is None else x.index_select(-1, w.perm)
         return kernels.w4a16_linear(xs, w.qweight, w.scales, w.zeros, w.group_size, bias)
     return reference_linear(x, w, bias)
