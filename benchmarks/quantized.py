@@ -12,13 +12,15 @@ Servers, all started and warmed before any timing, on the same SmolLM2-135M-Inst
              CPU path before issue 41);
   llama.cpp  one `llama-server` per --llama-threads value on a q8_0 GGUF of the same checkpoint (its
              `convert_hf_to_gguf.py --outtype q8_0`; llama.cpp built by benchmarks/llamacpp.py, which this
-             reuses: the pinned llama-cpp-python sdist's vendored llama.cpp). Default: as many threads as our
-             servers' native threads (equal threads). With `--no-repack`: on x86 the only repacked
-             layout of q8_0 is ggml's AMX buffer type, whose kernel dies of an illegal instruction
-             (`tilezero`) in this version on the AMX-capable CPU of our VMs; without it q8_0 runs
-             ggml's AVX-512 VNNI dot products, as llama.cpp does on every x86 CPU without AMX.
+             reuses: the pinned llama-cpp-python sdist's vendored llama.cpp). Default: as many threads as
+             int8's native loops (equal threads), and every usable CPU (the goal takes the faster). With
+             `--no-repack`: on x86 the only repacked layout of q8_0 is ggml's AMX buffer type, whose kernel
+             dies of an illegal instruction (`tilezero`) in this version on the AMX-capable CPU of our
+             VMs; without it q8_0 runs ggml's AVX-512 VNNI dot products, as llama.cpp does on every x86
+             CPU without AMX.
 Both of ours run with the server's default threads (`make serve`'s on 2 CPUs: 1 torch thread; native loops
-on every CPU for fp16, every CPU but one for int8, decision 079; printed); --engine-config adds knobs to both, --int8-config / --fp16-config to one (e.g.
+on every CPU for fp16, every CPU but one for int8, decision 079; printed); --engine-config adds knobs to
+both, --int8-config / --fp16-config to one (e.g.
 each at the native threads it is fastest at).
 
 Workloads (greedy, `ignore_eos`, exactly --max-tokens tokens a request, chat-templated questions):
@@ -59,6 +61,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import llamacpp  # noqa: E402
 from serving import BASE_MODEL, Launcher, model_and_adapters, server_threads, warm_up  # noqa: E402
 from triton_overhead import prompts_for, through_triton  # noqa: E402
+from loraplex.launch.cpus import usable_cpus  # noqa: E402
 
 GOALS = {"single_vs_fp16": 1.8, "single_vs_llama": 1.0, "mixed_vs_fp16": 1.5}
 ADAPTERS = {"smollm2": list(llamacpp.ADAPTERS), "tiny": ["demo-a", "demo-b"]}
@@ -76,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixed-streams", type=int, default=16,
                     help="concurrent mixed-adapter streams on int8 and fp16; 0: none (default: %(default)s)")
     ap.add_argument("--llama-threads", default="",
-                    help="one llama-server per value (its -t/-tb); default: our native threads (equal threads)")
+                    help="one llama-server per value (its -t/-tb); default: int8's native threads (equal threads) "
+                         "and every usable CPU")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--engine-config", default="{}", help="engine knobs (JSON) added to both of ours")
     ap.add_argument("--int8-config", default="{}", help="engine knobs (JSON) of the int8 server only, over those")
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     threads_of = {"int8": server_threads({**configs["int8"], "quantization": "int8"}),  # (torch, native threads)
                   "fp16": server_threads(configs["fp16"])}
     torch_threads, native_threads = threads_of["int8"]
-    threads = [int(t) for t in args.llama_threads.split(",") if t] or [native_threads]
+    threads = [int(t) for t in args.llama_threads.split(",") if t] or sorted({native_threads, usable_cpus()})
     load_before = load_average()
     log(f"load average before: {load_before} ({os.cpu_count()} CPUs); "
         + "; ".join(f"{name}: {t} torch, {n} native threads" for name, (t, n) in threads_of.items()))

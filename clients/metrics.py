@@ -23,12 +23,13 @@ def scrape(metrics_url: str, name: str, **labels) -> float | None:
 
 
 def wait_for_metric(metrics_url: str, name: str, expected: float, timeout: float = 20.0, **labels) -> float | None:
-    """Poll a metric until it equals `expected` (returns the last value seen)."""
+    """Poll a metric until it equals `expected` (returns the last value seen), every 50 ms: as often as the server
+    publishes them."""
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
         value = scrape(metrics_url, name, **labels)
         if value == expected:
             return value
-        time.sleep(0.2)
+        time.sleep(0.05)
     return value

@@ -211,7 +211,7 @@ def test_grpc_cancel_frees_blocks(triton_server):
     q = queue.Queue()
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: q.put((result, error)), headers={"x-tenant-id": "canceller"})
-    client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 900, "ignore_eos": True}))
+    client.async_stream_infer("lora_llm", build_inputs(grpcclient, "cancel me", {"max_tokens": 1000, "ignore_eos": True}))
     q.get(timeout=60)
     assert wait_for_positive(triton_server, "loraplex_kv_cache_blocks", state="used") > 0
     client.stop_stream(cancel_requests=True)

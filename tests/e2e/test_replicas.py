@@ -131,22 +131,27 @@ def test_a_shared_load_and_unload_through_one_replica_are_seen_by_the_other_at_o
     assert "LoRA ops is not supported" in str(generate(b, "globex", "ops").error)
 
 
-def series(server, name: str) -> list[tuple[dict, float]]:
-    """(labels, value) of every sample of `name` lora_llm exports on the replica's metrics port."""
+def metrics_text(server) -> str:
+    """One scrape of the replica's metrics port."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        lines = [line for line in response.read().decode().splitlines() if line.startswith(name + "{")]
+        return response.read().decode()
+
+
+def series(text: str, name: str) -> list[tuple[dict, float]]:
+    """(labels, value) of every sample of `name` lora_llm exports, in one scrape's text."""
+    lines = [line for line in text.splitlines() if line.startswith(name + "{")]
     found = [(dict(re.findall(r'(\w+)="([^"]*)"', line.rsplit("}", 1)[0])), float(line.rsplit(" ", 1)[1]))
              for line in lines]
     return [(labels, value) for labels, value in found if labels.get("model") == "lora_llm"]
 
 
-def lora_info(server) -> dict:
+def lora_info(text: str) -> dict:
     """The LoRA-info series the endpoint picker takes: the one with the largest value."""
-    return max(series(server, INFO), key=lambda s: s[1])[0]
+    return max(series(text, INFO), key=lambda s: s[1])[0]
 
 
-def gauge(server, name: str) -> float:
-    ((_, value),) = series(server, name)
+def gauge(text: str, name: str) -> float:
+    ((_, value),) = series(text, name)
     return value
 
 
@@ -168,21 +173,26 @@ def test_the_lora_info_gauge_shows_an_adapter_running_only_where_it_runs(replica
     client.async_stream_infer("lora_llm", build_inputs(grpcclient, "a long one", params, True),
                               request_id=uuid.uuid4().hex)
     try:
-        running = wait_for(lambda: lora_info(a)["running_lora_adapters"] == "demo-a" and lora_info(a),
-                           "demo-a never showed as running on A")
+        # A's figures all from the one scrape that shows demo-a running: the stream may end soon after it
+        at_a = wait_for(lambda: lora_info(t := metrics_text(a))["running_lora_adapters"] == "demo-a" and t,
+                        "demo-a never showed as running on A")
+        at_b = metrics_text(b)
+        running = lora_info(at_a)
         assert running["max_lora"] == "8" and running["waiting_lora_adapters"] == ""
-        assert lora_info(b) == {**running, "running_lora_adapters": ""}  # B runs nothing
-        assert gauge(a, "loraplex_num_requests_running") == 1 and gauge(b, "loraplex_num_requests_running") == 0
-        assert 0 < gauge(a, "loraplex_kv_cache_usage_ratio") < 1 and gauge(b, "loraplex_kv_cache_usage_ratio") == 0
-        assert gauge(a, "loraplex_num_requests_waiting") == gauge(b, "loraplex_num_requests_waiting") == 0
-        ((labels, one),) = series(b, "loraplex_cache_config_info")
+        assert lora_info(at_b) == {**running, "running_lora_adapters": ""}  # B runs nothing
+        assert gauge(at_a, "loraplex_num_requests_running") == 1 and gauge(at_b, "loraplex_num_requests_running") == 0
+        assert 0 < gauge(at_a, "loraplex_kv_cache_usage_ratio") < 1
+        assert gauge(at_b, "loraplex_kv_cache_usage_ratio") == 0
+        assert gauge(at_a, "loraplex_num_requests_waiting") == gauge(at_b, "loraplex_num_requests_waiting") == 0
+        ((labels, one),) = series(at_b, "loraplex_cache_config_info")
         assert one == 1 and labels["block_size"] == "16" and int(labels["num_gpu_blocks"]) > 0
         assert not any(responses)  # no error while it ran
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
-    wait_for(lambda: lora_info(a)["running_lora_adapters"] == "", "demo-a still running on A after the cancel")
-    assert gauge(a, "loraplex_num_requests_running") == 0
+    after = wait_for(lambda: lora_info(t := metrics_text(a))["running_lora_adapters"] == "" and t,
+                     "demo-a still running on A after the cancel")
+    assert gauge(after, "loraplex_num_requests_running") == 0
 
 
 def test_a_tenants_quotas_are_per_replica_and_its_store_quotas_fleet_wide(replicas, demo):

@@ -107,7 +107,12 @@ def test_timeout_ends_with_finish_reason_timeout(triton_server):
 
 
 OVERLOADED = f"server overloaded: {MAX_WAITING} requests are waiting (max_waiting_requests={MAX_WAITING}); retry later"
-LONG_PROMPT = "Overload the queue with a prompt of about sixty tokens, please."  # 64 tokens: 4 blocks
+
+
+def one_at_a_time(i: int):
+    """Request i's inputs: 22 of the 24 blocks, its prompt alone 13 (distinct first blocks: no prefix-cache sharing),
+    so while one runs (150 steps) nothing else can start."""
+    return build_inputs(grpcclient, f"{i:04d}" + "x" * 195, {"max_tokens": 150, "ignore_eos": True})
 
 
 def test_over_max_waiting_requests_is_refused_at_once(triton_server):
@@ -115,14 +120,14 @@ def test_over_max_waiting_requests_is_refused_at_once(triton_server):
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    # 40 short requests arrive far faster than a few at a time can run 16 tokens each:
-    # 16 wait, and whatever arrives while they do is refused at once; the others complete
+    # 40 requests that run one at a time arrive together: one runs, 16 wait, and whatever arrives while they do is
+    # refused at once, however fast the machine (short requests, a few at a time, drained as fast as a fast
+    # machine sent them); the others complete
     burst = 40
     finals, errors = set(), []
     try:
         for i in range(burst):
-            client.async_stream_infer("lora_llm", build_inputs(grpcclient, LONG_PROMPT, {"max_tokens": 16}),
-                                      request_id=str(i), enable_empty_final_response=True)
+            client.async_stream_infer("lora_llm", one_at_a_time(i), request_id=str(i), enable_empty_final_response=True)
         while len(finals) + len(errors) < burst:
             result, error = results.get(timeout=120)
             if error is not None:
@@ -143,17 +148,13 @@ def test_over_max_waiting_requests_is_unavailable_over_http(triton_server):
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        # each request may need 22 of the 24 blocks and its prompt alone takes 13: once the first runs
-        # (150 steps) nothing else can start, so after a refusal the queue stays full while the HTTP
+        # once the first runs nothing else can start, so after a refusal the queue stays full while the HTTP
         # request arrives. A very slow machine may drain it first: then refill and try again.
-        def inputs(i):  # distinct first blocks: no prefix-cache sharing between them
-            return build_inputs(grpcclient, f"{i:04d}" + "x" * 195, {"max_tokens": 150, "ignore_eos": True})
-
-        client.async_stream_infer("lora_llm", inputs(0))
+        client.async_stream_infer("lora_llm", one_at_a_time(0))
         assert results.get(timeout=120)[1] is None  # its first token: it runs
         for attempt in range(3):
             for i in range(MAX_WAITING + 2):
-                client.async_stream_infer("lora_llm", inputs(100 * attempt + i + 1))
+                client.async_stream_infer("lora_llm", one_at_a_time(100 * attempt + i + 1))
             while results.get(timeout=120)[1] is None:
                 pass
             r = http_generate(triton_server, {"text_input": "one more", "parameters": {"max_tokens": 2}})

@@ -163,9 +163,9 @@ def test_kv_exhaustion_preempts_without_losing_or_repeating_tokens(tiny_kv_serve
     jobs = [(f"Preempt me {i}: " + "abcdefghij" * (1 + i % 3), LORAS[i % 3], 160 + 8 * i) for i in range(12)]
     assert_idle(tiny_kv_server, TINY_BLOCKS)
     crowd = run_streams(tiny_kv_server.grpc_url, [StreamJob(p, greedy(n, lora), "crowd") for p, lora, n in jobs])
+    assert_idle(tiny_kv_server, TINY_BLOCKS)  # first: the metrics published after the last step
     preempted = scrape(tiny_kv_server, "loraplex_preemptions_total")
     assert preempted > 0
-    assert_idle(tiny_kv_server, TINY_BLOCKS)
     for (prompt, lora, max_tokens), out in zip(jobs, crowd):  # another tenant: no prefix-cache sharing with the crowd
         alone = run_streams(tiny_kv_server.grpc_url, [StreamJob(prompt, greedy(max_tokens, lora), "alone")])[0]
         assert stream_problem(alone, max_tokens, tokenizer) is None
@@ -216,8 +216,10 @@ def test_adapter_broken_on_disk_fails_only_the_requests_that_load_it(traffic_ser
     assert_idle(traffic_server)
     store = Path(traffic_server.env["LORAPLEX_ADAPTER_STORE"])
     garbled, deleted = VICTIMS[:2]
-    running = [(f"victim {i}", name, 300) for i, name in enumerate((garbled, garbled, deleted, deleted))]
-    bystanders = [(f"bystander {i}", lora, 120 + 20 * i) for i, lora in enumerate((None, "demo-a", "demo-b", None))]
+    # 600 tokens and more: every stream still runs when the last victim's cold read is in, so the 6 pins are seen
+    # at once (with 120-180-token bystanders a fast machine could end demo-a's before the victims were pinned)
+    running = [(f"victim {i}", name, 600) for i, name in enumerate((garbled, garbled, deleted, deleted))]
+    bystanders = [(f"bystander {i}", lora, 600 + 20 * i) for i, lora in enumerate((None, "demo-a", "demo-b", None))]
     refs = {job: reference(traffic_server, demo, tokenizer, *job) for job in running + bystanders}
     thread, first = run_in_background(traffic_server.grpc_url, [StreamJob(p, greedy(n, lora), "broken")
                                                                  for p, lora, n in running + bystanders])
