@@ -76,9 +76,11 @@ def test_a_tritonserver_killed_by_a_signal_is_restarted_and_serves_again(tmp_pat
     with launcher_under_load(tmp_path, demo["model"], n=2) as (launcher, server, streams):
         os.kill(server.pid, signal.SIGABRT)
         wait_ended(streams, timeout=30)
-        for s in streams:  # cut as it dies (UNAVAILABLE), or ended by the model if it saw the shutdown first
+        # each ended once: cut as it dies (UNAVAILABLE), ended by the model if it saw the shutdown first, or whole
+        # (Triton shuts down on SIGABRT as on SIGTERM: a fast machine finishes 1000 tokens within it)
+        for s in streams:
             kind, _, text = s.only_ending()
-            assert kind == "error" and ("UNAVAILABLE" in text or "the model is shutting down" in text), text
+            assert kind == "final" or ("UNAVAILABLE" in text or "the model is shutting down" in text), text
         again = launcher.wait_serving(not_pid=server.pid)
         _serves_a_request(launcher)
         assert launcher.wait_stderr("tritonserver is serving again (restart 1)"), launcher.stderr()
