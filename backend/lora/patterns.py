@@ -1,5 +1,6 @@
 """The regexes an adapter's config carries (target_modules, exclude_modules, rank_pattern and alpha_pattern keys,
-layers_pattern): checked before anything compiles them, then matched under one deadline per adapter load.
+layers_pattern): checked before anything compiles them, then matched under one budget of matching time per adapter
+load (the time the load spends elsewhere, reading and checking tensors on a busy machine, is not the patterns').
 
 A pattern is tenant input. Compiling one is not free: the regex package unrolls counted repeats, so 29 characters
 of nested ``{200}`` take seconds and gigabytes. ``check_pattern`` therefore parses it with the standard library's
@@ -123,12 +124,13 @@ def check_pattern(field: str, pattern: str, where: str) -> None:
 
 
 class Patterns:
-    """Config regexes (each passed check_pattern) matched with the regex package under one deadline per adapter
-    load; each as peft wraps it is bounded again before it is compiled."""
+    """Config regexes (each passed check_pattern) matched with the regex package, all the matches of one adapter
+    load within one budget of seconds spent matching; each as peft wraps it is bounded again before it is
+    compiled."""
 
     def __init__(self, where: str, budget: float = REGEX_BUDGET_SECONDS):
         self.where, self.budget = where, budget
-        self.deadline = time.monotonic() + budget
+        self.left = budget  # matching time left to this load
         self._compiled: dict[str, regex.Pattern] = {}
 
     def _run(self, field: str, pattern: str, method: str, key: str):
@@ -144,16 +146,18 @@ class Patterns:
                 raise AdapterError(f"{self.where}: {field} pattern expands past {MAX_REGEX_SIZE} atoms or nests "
                                    f"counted repeats past {MAX_REGEX_REPEAT_DEPTH} deep as peft applies it")
             compiled = self._compiled[pattern] = regex.compile(pattern)
-        left = self.deadline - time.monotonic()
+        start = time.monotonic()
         try:
-            if left <= 0:
+            if self.left <= 0:
                 raise TimeoutError
-            return getattr(compiled, method)(key, timeout=left)
+            return getattr(compiled, method)(key, timeout=self.left)
         except TimeoutError:
             raise AdapterError(
                 f"{self.where}: matching the {field} patterns took longer than {self.budget:g} s; "
                 f"simplify them (catastrophic backtracking?)"
             ) from None
+        finally:
+            self.left -= time.monotonic() - start
 
     def fullmatch(self, field: str, pattern: str, key: str):
         """re.fullmatch(pattern, key), bounded by the deadline."""

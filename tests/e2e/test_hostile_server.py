@@ -20,7 +20,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import TRITON_RESERVED_REQUEST_PARAMS
-from helpers import sse_events, token_ids_of, wait_for_metric
+from helpers import assert_idle, sse_events, token_ids_of
 from hostile import MEGABYTE_PROMPT, PROMPTS, sampling_parameters
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -86,12 +86,6 @@ class GoodStreams:
                 assert result.error is None and result.final_count == 1, (key, result.error)
                 assert token_ids_of(result) == self.references[key], key
             assert len(self.results) == len(GOOD)
-
-
-def assert_idle(server):
-    for name, labels in (("loraplex_kv_cache_blocks", {"state": "used"}), ("loraplex_num_sequences", {"state": "waiting"}),
-                         ("loraplex_num_sequences", {"state": "running"})):
-        assert wait_for_metric(server, name, 0.0, **labels) == 0.0, (name, labels)
 
 
 def grpc_parameter(value):

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers import http_generate, scrape, token_ids_of, wait_for_metric, wait_for_positive
+from helpers import assert_idle, http_generate, token_ids_of, wait_for_positive
 from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture
 
@@ -37,10 +37,7 @@ def tokenizer(demo):
 
 
 def _idle(server) -> None:
-    for state in ("waiting", "running", "swapped"):
-        assert wait_for_metric(server, "loraplex_num_sequences", 0.0, state=state) == 0.0, state
-    assert wait_for_metric(server, "loraplex_kv_cache_blocks", float(NUM_BLOCKS), state="free") == NUM_BLOCKS
-    assert scrape(server, "loraplex_kv_cache_blocks", state="used") == 0.0
+    assert_idle(server, NUM_BLOCKS)
 
 
 def test_preempted_streams_equal_peft_and_end_once(triton_server, demo, tokenizer):

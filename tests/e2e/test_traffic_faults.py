@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import helpers
 from helpers import scrape, wait_for_metric
 from peft_reference import greedy_tokens
 from tritonserver_fixture import make_triton_server_fixture, seed_demo_adapters
@@ -66,13 +67,8 @@ def reference(server, demo, tokenizer, prompt: str, lora: str | None, max_tokens
 
 
 def assert_idle(server, num_blocks: int | None = None) -> None:
-    """No KV block used, no adapter pin, no running, waiting or swapped sequence."""
-    assert wait_for_metric(server, "loraplex_kv_cache_blocks", 0.0, timeout=60, state="used") == 0.0
-    for state in ("running", "waiting", "swapped"):
-        assert wait_for_metric(server, "loraplex_num_sequences", 0.0, state=state) == 0.0, state
-    assert wait_for_metric(server, "loraplex_adapter_pins", 0.0) == 0.0
-    if num_blocks is not None:
-        assert scrape(server, "loraplex_kv_cache_blocks", state="free") == num_blocks
+    """No KV block used, no adapter pin, no running, waiting or swapped sequence, in one scrape."""
+    helpers.assert_idle(server, num_blocks, pins=True)
 
 
 def run_in_background(url: str, jobs: list[StreamJob]) -> tuple[threading.Thread, list]:

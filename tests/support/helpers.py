@@ -44,6 +44,19 @@ def wait_for_metric(server, name: str, expected: float, timeout: float = 20.0, *
     return metrics.wait_for_metric(server.metrics_url, name, expected, timeout, **labels)
 
 
+def assert_idle(server, num_blocks: int | None = None, pins: bool = False, timeout: float = 60.0) -> None:
+    """One scrape shows no sequence waiting, running or swapped and no KV block used (free: num_blocks, when
+    given; no adapter pin, when pins): the checks of separate scrapes could each pass while a late request ran."""
+    expected = [("loraplex_num_sequences", {"state": s}, 0.0) for s in ("waiting", "running", "swapped")]
+    expected.append(("loraplex_kv_cache_blocks", {"state": "used"}, 0.0))
+    if num_blocks is not None:
+        expected.append(("loraplex_kv_cache_blocks", {"state": "free"}, float(num_blocks)))
+    if pins:
+        expected.append(("loraplex_adapter_pins", {}, 0.0))
+    seen = metrics.wait_for_metrics(server.metrics_url, expected, timeout)
+    assert all(seen[f"{name}{labels}"] == value for name, labels, value in expected), seen
+
+
 def wait_for_positive(server, name: str, timeout: float = 20.0, **labels) -> float | None:
     """Poll a metric until it is above 0 (metrics are published up to ~50 ms after the engine's step)."""
     deadline = time.monotonic() + timeout

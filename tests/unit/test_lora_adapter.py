@@ -520,6 +520,17 @@ def test_the_regex_budget_is_one_deadline_for_the_whole_load(good, hf_config, tm
     assert clock.now <= REGEX_BUDGET_SECONDS + 1e-9
 
 
+def test_the_regex_budget_counts_only_the_time_spent_matching(monkeypatch):
+    """A load that spends seconds elsewhere (reading tensors on a busy machine) still has the whole budget to match
+    in (CI once refused a good rank_pattern after its weights took 0.5 s to load)."""
+    clock = SimpleNamespace(now=0.0, monotonic=lambda: clock.now)
+    monkeypatch.setattr(patterns_module, "time", clock)
+    patterns = patterns_module.Patterns("adapter 'slow'")
+    clock.now += 10.0  # not matching
+    assert patterns.fullmatch("rank_pattern", r".*\.q_proj", "model.layers.0.self_attn.q_proj")
+    assert patterns.left == REGEX_BUDGET_SECONDS
+
+
 # the header bound: tensors an adapter of this base model may hold ----------------------
 
 
