@@ -32,27 +32,18 @@ def scrape(metrics_url: str, name: str, **labels) -> float | None:
 
 
 def wait_for_metrics(metrics_url: str, expected: list[tuple[str, dict, float]], timeout: float = 20.0) -> dict:
-    """Poll until one scrape shows every (name, labels, value) of `expected`, every 50 ms; the values of the last
-    scrape seen, keyed "name{labels}" (a state no single scrape showed is not one the server was in)."""
+    """Poll, every 50 ms (as often as the server publishes), until one scrape shows every (name, labels, value) of
+    `expected`; the values of the last scrape seen, keyed "name{labels}" (a state no single scrape showed is not
+    one the server was in)."""
     deadline = time.monotonic() + timeout
     while True:
         text = fetch(metrics_url)
         seen = {f"{name}{labels}": sample(text, name, **labels) for name, labels, _ in expected}
-        if all(sample(text, name, **labels) == value for name, labels, value in expected):
-            return seen
-        if time.monotonic() >= deadline:
+        if all(seen[f"{name}{labels}"] == value for name, labels, value in expected) or time.monotonic() >= deadline:
             return seen
         time.sleep(0.05)
 
 
 def wait_for_metric(metrics_url: str, name: str, expected: float, timeout: float = 20.0, **labels) -> float | None:
-    """Poll a metric until it equals `expected` (returns the last value seen), every 50 ms: as often as the server
-    publishes them."""
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = scrape(metrics_url, name, **labels)
-        if value == expected:
-            return value
-        time.sleep(0.05)
-    return value
+    """Poll a metric until it equals `expected` (returns the last value seen)."""
+    return wait_for_metrics(metrics_url, [(name, labels, expected)], timeout)[f"{name}{labels}"]

@@ -160,11 +160,11 @@ class Patterns:
             self.left -= time.monotonic() - start
 
     def fullmatch(self, field: str, pattern: str, key: str):
-        """re.fullmatch(pattern, key), bounded by the deadline."""
+        """re.fullmatch(pattern, key), bounded by the budget left."""
         return self._run(field, pattern, "fullmatch", key)
 
     def match(self, field: str, pattern: str, key: str):
-        """re.match(pattern, key), bounded by the deadline."""
+        """re.match(pattern, key), bounded by the budget left."""
         return self._run(field, pattern, "match", key)
 
     def in_layers(self, layers_to_transform: list[int] | None, layers_pattern: list[str] | None, key: str) -> bool:
