@@ -138,14 +138,17 @@ def test_cancels_and_disconnects_leave_the_others_exact(traffic_server, demo, to
     assert len(seen) == len(http_closes) and all(want == got for want, got in seen)
     assert_idle(traffic_server)
     # every request the model saw ended once: completed ones with `length`, cancelled ones with `abort`;
-    # a cancel before the first response may reach Triton before the model does (then the model never sees it)
+    # a cancel before the first response may reach Triton before the model does (then the model never sees it).
+    # An HTTP close can race like a gRPC cancel (its request ended whole first), but its client cannot tell:
+    # the `length` count says how many did, and at most a tenth may
     finished = len(expected) + len(raced)
-    assert wait_for_metric(traffic_server, "loraplex_request_finished_total", float(finished),
-                           tenant=CANCEL_TENANT, finish_reason="length") == finished
+    length = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="length")
+    http_raced = length - finished
+    assert 0 <= http_raced <= len(http_closes) // 10, f"{http_raced} of {len(http_closes)} HTTP closes raced"
     started = (sum(1 for job, _ in cancels if job.cancel_after) - sum(1 for job in raced if job.cancel_after)
-               + sum(1 for _, _, e in http_closes if e))
+               + sum(1 for _, _, e in http_closes if e) - http_raced)
     aborted = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="abort")
-    assert started <= aborted <= len(cancelled)
+    assert started <= aborted <= len(cancelled) - http_raced
     errors = scrape(traffic_server, "loraplex_request_finished_total", tenant=CANCEL_TENANT, finish_reason="error")
     assert errors is None
 
