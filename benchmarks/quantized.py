@@ -20,8 +20,7 @@ Servers, all started and warmed before any timing, on the same SmolLM2-135M-Inst
              CPU without AMX.
 Both of ours run with the server's default threads (`make serve`'s on 2 CPUs: 1 torch thread; native loops
 on every CPU for fp16, every CPU but one for int8, decision 079; printed); --engine-config adds knobs to
-both, --int8-config / --fp16-config to one (e.g.
-each at the native threads it is fastest at).
+both, --int8-config / --fp16-config to one (e.g. each at the native threads it is fastest at).
 
 Workloads (greedy, `ignore_eos`, exactly --max-tokens tokens a request, chat-templated questions):
   single  one base-model stream (the "light client": triton_overhead.py's HTTP `generate_stream` client for

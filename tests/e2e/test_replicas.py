@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tritonserver_fixture import demo_server, seed_demo_adapters
 
 from loraplex.clients.adapters import build_inputs as adapter_inputs
 from loraplex.clients.adapters import adapter_request, delete_adapter, list_adapters, read_adapter_folder, upload_adapter
+from loraplex.clients import metrics
 from loraplex.clients.generate import build_inputs, stream_generate
 from loraplex.launch.tritonserver import TritonServerError
 from loraplex.tenancy.tenants import key_digest
@@ -131,12 +131,6 @@ def test_a_shared_load_and_unload_through_one_replica_are_seen_by_the_other_at_o
     assert "LoRA ops is not supported" in str(generate(b, "globex", "ops").error)
 
 
-def metrics_text(server) -> str:
-    """One scrape of the replica's metrics port."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        return response.read().decode()
-
-
 def series(text: str, name: str) -> list[tuple[dict, float]]:
     """(labels, value) of every sample of `name` lora_llm exports, in one scrape's text."""
     lines = [line for line in text.splitlines() if line.startswith(name + "{")]
@@ -174,9 +168,9 @@ def test_the_lora_info_gauge_shows_an_adapter_running_only_where_it_runs(replica
                               request_id=uuid.uuid4().hex)
     try:
         # A's figures all from the one scrape that shows demo-a running: the stream may end soon after it
-        at_a = wait_for(lambda: lora_info(t := metrics_text(a))["running_lora_adapters"] == "demo-a" and t,
+        at_a = wait_for(lambda: lora_info(t := metrics.fetch(a.metrics_url))["running_lora_adapters"] == "demo-a" and t,
                         "demo-a never showed as running on A")
-        at_b = metrics_text(b)
+        at_b = metrics.fetch(b.metrics_url)
         running = lora_info(at_a)
         assert running["max_lora"] == "8" and running["waiting_lora_adapters"] == ""
         assert lora_info(at_b) == {**running, "running_lora_adapters": ""}  # B runs nothing
@@ -190,7 +184,7 @@ def test_the_lora_info_gauge_shows_an_adapter_running_only_where_it_runs(replica
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
-    after = wait_for(lambda: lora_info(t := metrics_text(a))["running_lora_adapters"] == "" and t,
+    after = wait_for(lambda: lora_info(t := metrics.fetch(a.metrics_url))["running_lora_adapters"] == "" and t,
                      "demo-a still running on A after the cancel")
     assert gauge(after, "loraplex_num_requests_running") == 0
 
