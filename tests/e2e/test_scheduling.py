@@ -124,7 +124,10 @@ def test_over_max_waiting_requests_is_refused_at_once(triton_server):
     finals, errors = set(), []
     try:
         for i in range(burst):
-            client.async_stream_infer("lora_llm", one_at_a_time(i), request_id=str(i), enable_empty_final_response=True)
+            # prompts 1000 on: the HTTP test's (0-299) must find none of these in the prefix cache, or they share
+            # blocks, several run at once and its queue drains before the HTTP request arrives
+            client.async_stream_infer("lora_llm", one_at_a_time(1000 + i), request_id=str(i),
+                                      enable_empty_final_response=True)
         while len(finals) + len(errors) < burst:
             result, error = results.get(timeout=120)
             if error is not None:
