@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (no Triton, no network there): install the checkout
-# offline, then the engine vs transformers+peft on CUDA (decode graphs, eager, the tiled prefill
-# kernel; syncs per step counted), kernel numerics + bandwidth, the loop's host time per step,
-# the multi-LoRA throughput and tests/engine (its engines on the default device run on CUDA).
+# One prepared run on a lent GPU machine (no network there; Triton from the carried bundle): install the
+# checkout offline, then the engine vs transformers+peft on CUDA (decode graphs, eager, the tiled prefill
+# kernel; syncs per step counted), every model family's and MoE's paths and the attention and quantized
+# kernels exact on CUDA, Triton on the GPU, kernel numerics + bandwidth, the 8B roofline, the loop's host
+# time per step, the multi-LoRA throughput and tests/engine (its engines on the default device run on CUDA).
 # Stages run in order of importance under one deadline (SESSION_S, default 480 s): a stage gets
 # at most its own cap and what is left; one that fails or times out does not stop the rest. $OUT gets two files, both kept current after every stage (the device
 # tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
@@ -52,6 +53,15 @@ run() {  # name, cap in seconds, command...
   bundle
 }
 run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check.json"
+# issues 40 and 41 on CUDA, against the same oracles as on the CPU: every dense family (head_dim 256, soft-capping,
+# sliding windows, ...) and MoE expert LoRA through the engine (LORAPLEX_TEST_DEVICE, tests/support/exactness.py);
+# then the attention kernels with windows, caps and head_dim 256, the FP8 / INT4 linear kernels, and an FP8 base with
+# LoRA and base rows in one captured CUDA graph (the SGLang case), each against its reference
+EXACT_TESTS=(tests/engine/test_families.py tests/engine/test_moe.py tests/engine/test_sliding_window.py
+             tests/engine/test_window_kv.py)
+run exact_paths 120 env LORAPLEX_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider "${EXACT_TESTS[@]}"
+run cuda_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_attention_variants.py \
+    tests/kernels/test_quant_kernels.py
 # Triton end to end on the GPU (decision 058): needs .cache/gpu-carry carried (benchmarks/triton_gpu_bundle.sh)
 run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device cuda --eager \
     --json "$WORK/triton_gpu.json"
@@ -60,9 +70,7 @@ run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 6
 # Llama-3-8B's shapes (random bf16 weights, CUDA graphs) vs the HBM roofline: base, 8 and 32 adapters (decision 057)
 run decode_roofline 120 python3 benchmarks/decode_roofline.py --batches 1 16 64 256 --adapters 0 8 32 \
     --json "$WORK/decode_roofline.json"
-# issue 41 (decision 073): the FP8 / INT4 linear kernels on CUDA against the reference, and the SGLang case (an FP8
-# base with LoRA and base rows in one captured CUDA graph equals the eager step); then their figures at 8B shapes
-run quant_kernels 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_quant_kernels.py
+# issue 41 (decision 073): the FP8 / INT4 linear kernels' figures at 8B shapes
 run quant_gemm 150 python3 benchmarks/quant_gemm.py --budget-s 120 --batches 1 16 64 256 --json "$WORK/quant_gemm.json"
 run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"
 run engine_check_prefill_kernel 60 env LORAPLEX_PREFILL_ATTENTION=kernel \
@@ -76,7 +84,7 @@ run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hi
 # issue 42 (decision 078): routing_sim.py's costs on the GPU (step by batch and adapters, slot loads, reads); then
 # `routing_sim.py --costs <it> --knee --policies ...` here re-decides the ring's hash_balance_factor and the goal
 run routing_costs 120 python3 benchmarks/routing_costs.py --rounds 2 --out "$WORK/routing_costs_cuda.json"
-# the engine tests as they are: those on the default device run on CUDA there (graphs, swap, containment, ...)
-run engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
+# the other engine tests as they are: those on the default device run on CUDA there (graphs, swap, containment, ...)
+run engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine "${EXACT_TESTS[@]/#/--ignore=}"
 echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"
 sleep 1  # let tee write the last lines before the tool collects $OUT

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from exactness import assert_matches_oracle, run_greedy_logprobs
+from exactness import ENGINE_DEVICE, assert_matches_oracle, run_greedy_logprobs
 from family_checkpoints import ADAPTERS, DENSE_FAMILIES, SMALL, WINDOW, build_family
 
 from loraplex.config import EngineConfig
@@ -24,7 +24,7 @@ def family(request, tmp_path_factory):
 
 
 def _engine(model_dir: str, adapters: dict[str, str]) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=256,
+    return LLMEngine(EngineConfig(model_dir=model_dir, device=ENGINE_DEVICE, dtype="float32", max_model_len=256,
                                   num_kv_blocks=64, block_size=4, max_loras=len(adapters), max_lora_rank=16,
                                   multi_lora=adapters))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from moe_models import ATTENTION, EXPERT_NAMES, MOE_FAMILIES, build_adapter, build_moe, fuse_experts, merged_model, \
     per_expert_adapter
-from exactness import assert_matches_oracle, run_greedy_logprobs
+from exactness import ENGINE_DEVICE, assert_matches_oracle, run_greedy_logprobs
 from peft_reference import reference_model, teacher_forced_logits
 
 from loraplex.config import EngineConfig
@@ -125,7 +125,7 @@ def test_engine_batch_of_base_and_expert_adapters_equals_peft(moe, layout):
     two experts' at two ranks) in one continuous batch, three slots for seven adapters so that expert stacks are
     loaded, evicted and reused: greedy tokens equal, each chosen token's logprob within LOGPROB_ATOL."""
     model_dir = moe.model_dir if layout == "per-expert" else moe.fused_dir
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_model_len=128,
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device=ENGINE_DEVICE, dtype="float32", max_model_len=128,
                                     num_kv_blocks=96, block_size=4, max_loras=3, max_cpu_loras=2, max_lora_rank=16,
                                     multi_lora=moe.adapters))
     batch = {f"{lora}:{i}": (prompt, lora) for i, (prompt, lora) in enumerate(

@@ -2,6 +2,7 @@
 transformers serves it past its window (issue 40: Mistral's window was once silently ignored)."""
 
 import pytest
+from exactness import ENGINE_DEVICE
 from peft_reference import greedy_tokens
 from transformers import Gemma2Config, MistralConfig, Qwen2Config
 
@@ -31,7 +32,7 @@ def test_which_layers_slide():
 
 
 def test_past_its_window_the_checkpoint_is_served_exactly(mistral_with_a_window):
-    engine = LLMEngine(EngineConfig(model_dir=mistral_with_a_window, device="cpu", dtype="float32",
+    engine = LLMEngine(EngineConfig(model_dir=mistral_with_a_window, device=ENGINE_DEVICE, dtype="float32",
                                     max_model_len=64, num_kv_blocks=32, block_size=4))
     request = engine.make_request("r", "Hi! " * WINDOW, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                   "t")

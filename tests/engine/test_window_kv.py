@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from exactness import ENGINE_DEVICE
 from peft_reference import greedy_tokens
 
 from loraplex.config import EngineConfig
@@ -62,7 +63,7 @@ def assert_idle(engine: LLMEngine) -> None:
 
 
 def test_long_prompts_hold_a_window_of_blocks_and_a_later_prompt_hits_past_the_hole(mistral):
-    engine = LLMEngine(EngineConfig(model_dir=mistral, device="cpu", dtype="float32", num_kv_blocks=16,
+    engine = LLMEngine(EngineConfig(model_dir=mistral, device=ENGINE_DEVICE, dtype="float32", num_kv_blocks=16,
                                     block_size=BS, max_num_batched_tokens=8))
     kv = engine.kv_manager
     assert engine.kv_window == WINDOW and kv.null_block == 0
@@ -84,7 +85,7 @@ def test_long_prompts_hold_a_window_of_blocks_and_a_later_prompt_hits_past_the_h
 def test_preemption_inside_the_window_resumes_exactly(mistral, mode):
     # 8 usable blocks (the null block aside), fewer than one sequence's 12: each holds up to 5 at once (3 while
     # decoding), so three decoding together do not fit
-    engine = LLMEngine(EngineConfig(model_dir=mistral, device="cpu", dtype="float32", num_kv_blocks=9,
+    engine = LLMEngine(EngineConfig(model_dir=mistral, device=ENGINE_DEVICE, dtype="float32", num_kv_blocks=9,
                                     block_size=BS, max_num_batched_tokens=8, preemption_mode=mode,
                                     swap_space_bytes=1 << 20, victim_policy="longest_first"))
     served, peak = serve(engine, PROMPTS)

@@ -199,6 +199,60 @@ def test_prefill_kernel_long_chunk_on_the_shim(cpu):
     assert_close(prefill_launch.paged_attention_prefill_kernel(*args, 9, SOFTCAP, runner=cpu), want, torch.float16)
 
 
+# ---- on CUDA: what the engine runs there (benchmarks/gpu_session.sh's cuda_kernel_tests; skipped without a GPU) --
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (benchmarks/gpu_session.sh: cuda_kernel_tests)")
+
+
+def on_cuda(attend, **options):
+    """attend on CUDA copies of a case's tensors, its result back on the CPU for the oracle."""
+    def run(*args):
+        return attend(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args), **options).cpu()
+
+    return run
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 3, None], ids=["1-split", "3-splits", "auto-splits"])
+@softcaps
+@head_dims
+def test_decode_kernel_on_cuda(splits, softcap, head_dim):
+    check_decode(on_cuda(decode_launch.paged_attention_decode, num_splits=splits), head_dim, softcap)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@head_dims
+def test_decode_kernel_half_types_on_cuda(dtype, head_dim):
+    check_decode(on_cuda(decode_launch.paged_attention_decode), head_dim, SOFTCAP, windows=[3, None], dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("attend", [prefill_launch.paged_attention_prefill_kernel, paged_attention_prefill_sdpa,
+                                    reference.paged_attention_prefill], ids=["kernel", "gather-sdpa", "reference"])
+@softcaps
+@head_dims
+def test_prefill_on_cuda(attend, softcap, head_dim):
+    check_prefill(on_cuda(attend), head_dim, softcap)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_prefill_half_types_on_cuda(dtype):
+    for attend in (prefill_launch.paged_attention_prefill_kernel, paged_attention_prefill_sdpa):
+        check_prefill(on_cuda(attend), 256, SOFTCAP, windows=[5, None], dtype=dtype)
+
+
+@needs_cuda
+@softcaps
+def test_reference_decode_and_entry_points_on_cuda(softcap):
+    # LORAPLEX_KERNELS=reference (the Triton stage on the GPU) decodes with the reference; auto with the kernel
+    for attend in (reference.paged_attention_decode, kernels.paged_attention_decode):
+        check_decode(on_cuda(attend), 256, softcap)
+    check_prefill(on_cuda(kernels.paged_attention_prefill), 256, softcap)
+
+
 # ---- the package's entry points, and the native decode forward -----------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Quantized linear kernels (quant_linear.cu: GEMV, tensor-core GEMM, dequantize) against the naive
 dequantize-then-matmul reference: on the CPU shim here, on CUDA where a device is present (gpu_session.sh's
-quant_kernels stage), and the SGLang case (an FP8 base with LoRA and base rows in one captured CUDA graph equals
+cuda_kernel_tests stage), and the SGLang case (an FP8 base with LoRA and base rows in one captured CUDA graph equals
 the eager step) on CUDA only."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from loraplex.kernels import cpu_runner, dispatch, quant_args, quant_launch, ref
 from loraplex.kernels.sources import KERNEL_DIR
 
 CUDA = torch.cuda.is_available()
-NO_CUDA = "needs a CUDA device (benchmarks/gpu_session.sh runs it in its quant_kernels stage)"
+NO_CUDA = "needs a CUDA device (benchmarks/gpu_session.sh runs it in its cuda_kernel_tests stage)"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 

@@ -3,10 +3,15 @@ weights): the tokens equal its argmax, each chosen token's logprob equal to its 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from peft_reference import teacher_forced_logits
 
 LOGPROB_ATOL = 2e-4  # fp32 throughout; the sums run in another order than torch's
+# The device the exactness tests' engines run on: the CPU here; `cuda` in benchmarks/gpu_session.sh's exact_paths
+# stage, where the same tests check each GPU path against the same oracle (which always runs on the CPU)
+ENGINE_DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
 
 
 def run_greedy_logprobs(engine, batch: dict[str, tuple[str, str | None]], max_tokens: int):
