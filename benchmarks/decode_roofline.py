@@ -5,8 +5,8 @@ vocab 128256; no download) in bf16 on CUDA, driven through LlamaModel.forward + 
 the kernel backend (per-row slots), one CUDA graph per batch (--eager: none). For each batch (1, 16, 64, 256)
 and row (base, 8 adapters, 32 adapters; sequences spread round-robin over the adapters), it reports decode
 tokens/s and the roofline: bytes read per step (every weight once, the lm_head, each sequence's K/V at
---context tokens, the used adapters' A/B rows) over the peak HBM bandwidth (--peak-gbs, default 4800: the
-H200), and the adapters' throughput as a fraction of the base's at the same batch.
+--context tokens, the used adapters' A/B rows) over the peak HBM bandwidth (--peak-gbs, default the
+device's, hbm_peak.py), and the adapters' throughput as a fraction of the base's at the same batch.
 
     python benchmarks/decode_roofline.py [--json out.json] [--batches 1 16 64 256] [--peak-gbs 3350]
     python benchmarks/decode_roofline.py --tiny     # a tiny shape on the CPU (a test's smoke run)
@@ -228,7 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="cached tokens of each sequence")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--peak-gbs", type=float, default=4800.0, help="device peak HBM bandwidth (4800: the H200)")
+    p.add_argument("--peak-gbs", type=float, default=None,
+                   help="device peak HBM bandwidth, GB/s (default: the device's; 4800 for the CPU smoke run)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -242,8 +243,16 @@ def main(argv=None) -> int:
         print("decode_roofline: no CUDA device (use --tiny for the CPU smoke run)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    from hbm_peak import peak_gbs  # a sibling: benchmarks/ is on sys.path when run
+
+    if args.device.startswith("cuda") or args.peak_gbs:
+        args.peak_gbs, peak_source = peak_gbs(args.peak_gbs, args.device)
+    else:
+        args.peak_gbs, peak_source = 4800.0, "nominal (the CPU smoke run)"
+    print(f"peak HBM bandwidth {args.peak_gbs:.0f} GB/s ({peak_source})", flush=True)
     rows = measure(args)
     report = {"shape": asdict(TINY if args.tiny else LLAMA3_8B), "device": args.device, "peak_gbs": args.peak_gbs,
+              "peak_source": peak_source,
               "context": args.context, "rank": args.rank, "graphs": args.device.startswith("cuda") and not args.eager,
               "rows": rows}
     if args.device.startswith("cuda"):

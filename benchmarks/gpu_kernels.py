@@ -31,7 +31,6 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 2
-KNOWN_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "H800": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 HIDDEN, NUM_ADAPTERS = 4096, 16
 
@@ -148,27 +147,6 @@ def out_path(args) -> Path | None:
         return args.out
     env = os.environ.get("OUT")
     return Path(env) / "gpu_kernels.json" if env else None
-
-
-def peak_gbs(args) -> tuple[float, str]:
-    """Device peak memory bandwidth in GB/s and where the number came from."""
-    if args.peak_gbs:
-        return args.peak_gbs, "--peak-gbs"
-    try:
-        import cupy
-
-        dev = torch.cuda.current_device()
-        clock_khz = cupy.cuda.runtime.deviceGetAttribute(36, dev)  # cudaDevAttrMemoryClockRate
-        bus_bits = cupy.cuda.runtime.deviceGetAttribute(37, dev)  # cudaDevAttrGlobalMemoryBusWidth
-        if clock_khz and bus_bits:
-            return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device attributes (memory clock x bus width)"
-    except Exception as err:  # noqa: BLE001 - fall back to the name table
-        print(f"note: device attributes unavailable ({err}); using the name table", file=sys.stderr)
-    name = torch.cuda.get_device_name()
-    for key, gbs in KNOWN_PEAK_GBS.items():
-        if key in name:
-            return gbs, f"table entry {key}"
-    return float("nan"), "unknown"
 
 
 class Timer:
@@ -465,7 +443,9 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget_s
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(0)
-    peak, peak_source = peak_gbs(args)
+    from hbm_peak import peak_gbs  # a sibling: benchmarks/ is on sys.path when run
+
+    peak, peak_source = peak_gbs(args.peak_gbs)
     report = {"device": torch.cuda.get_device_name(), "peak_gbs": peak, "peak_source": peak_source,
               "dtype": args.dtype, "torch": torch.__version__}
     print(f"device {report['device']}: peak {peak:.0f} GB/s ({peak_source})")

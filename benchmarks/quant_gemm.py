@@ -83,23 +83,6 @@ def make_weights(fmt: str, k: int, n: int, device: str, gen: torch.Generator):
     return q.to(device), scales.to(device), zeros.to(device), GROUP, None
 
 
-def peak_gbs(args) -> tuple[float, str]:
-    """The HBM peak and where it came from."""
-    if args.peak_gbs:
-        return args.peak_gbs, "--peak-gbs"
-    if args.device != "cuda":
-        return math.nan, "none (CPU shim)"
-    try:
-        import cupy
-
-        dev = torch.cuda.current_device()
-        clock_khz = cupy.cuda.runtime.deviceGetAttribute(36, dev)  # cudaDevAttrMemoryClockRate
-        bus_bits = cupy.cuda.runtime.deviceGetAttribute(37, dev)  # cudaDevAttrGlobalMemoryBusWidth
-        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device attributes (memory clock x bus width)"
-    except Exception as err:  # noqa: BLE001 - report what there is
-        return math.nan, f"unknown ({err})"
-
-
 class Timer:
     """Median ms of fn: on CUDA, fn captured in a CUDA graph (as decode runs; no host launch time between the
     events) replayed over cold-L2 runs, timed with CUDA events (eager when it cannot be captured); perf_counter on
@@ -181,7 +164,9 @@ def run(args) -> dict:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for the shim)")
-    peak, peak_source = peak_gbs(args)
+    from hbm_peak import peak_gbs  # a sibling: benchmarks/ is on sys.path when run
+
+    peak, peak_source = peak_gbs(args.peak_gbs, args.device)
     timer = Timer(args.device, args.iters)
     deadline = time.monotonic() + args.budget_s
     gen = torch.Generator().manual_seed(0)
