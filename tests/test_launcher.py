@@ -177,6 +177,37 @@ def test_ready_and_metrics_endpoints(triton_server):
     assert 'nv_inference_request_success{model="echo"' in metrics
 
 
+def test_ready_means_this_server_answers_on_its_port(triton_server):
+    """With auto-picked ports another process (a parallel test worker's server) can take this one's HTTP port
+    first: its readiness, or its gRPC port's HTTP/2 bytes, is not this server's (a run once failed on the second)."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):  # ready, and named like a tritonserver that is not ours
+            body = json.dumps({"name": "triton"} if self.path == "/v2" else {}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    assert triton_server.answers_as_itself()
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    not_http = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: not_http.accept()[0].sendall(b"\x00\x00\x06\x04\x00" + bytes(20)),
+                     daemon=True).start()
+    try:
+        for port in (other.server_address[1], not_http.getsockname()[1]):
+            assert not TritonServer("unused", http_port=port, grpc_port=1, metrics_port=2).is_ready()
+    finally:
+        other.shutdown()
+        not_http.close()
+
+
 def test_stop_tears_down_the_process_group(tmp_path, demo):
     repo = make_echo_repository(tmp_path / "repo")
     server = TritonServer(repo, log_path=tmp_path / "log.txt", ready_timeout=60)

@@ -6,6 +6,8 @@ Standard library only: the guard runs this file as a script (``python -I -S proc
 from __future__ import annotations
 
 import ctypes
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -151,12 +153,22 @@ def start_in_session(cmd: list[str], death_signal: int = DEATH_SIGNAL, **popen) 
 
 
 def answers_ok(url: str, timeout: float = 2.0) -> bool:
-    """Whether a GET of ``url`` answers 200 right now (health and readiness probes)."""
+    """Whether a GET of ``url`` answers 200 right now (health and readiness probes). Nothing listening, or
+    something that does not speak HTTP/1 (another server's gRPC port), is not an answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
+
+
+def get_json(url: str, timeout: float = 2.0, max_bytes: int = 1 << 16):
+    """What a GET of ``url`` answers with 200, as JSON, right now; None for no answer or no JSON."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read(max_bytes)) if response.status == 200 else None
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
+        return None
 
 
 def start_guard(pgid: int, grace: float, stop_file: str | os.PathLike | None = None,

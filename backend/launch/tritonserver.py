@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -41,8 +42,9 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from loraplex.config import STOP_FILE_ENV
-from loraplex.launch.processes import (STUB_COMM, answers_ok, group_shm_regions, kill_group, mapped_shm_regions, processes,
-                        release_guard, start_guard, start_in_session, unlink_shm)
+from loraplex.launch.processes import (STUB_COMM, answers_ok, get_json, group_shm_regions, kill_group,
+                                       mapped_shm_regions, processes, release_guard, start_guard, start_in_session,
+                                       unlink_shm)
 
 DEFAULT_HEADER_PATTERN = "x-tenant-.*|x-api-key"  # forwarded as request parameters
 # Triton's own APIs that only the operator may call once an admin key is set (docs/security.md):
@@ -273,6 +275,8 @@ class TritonServer:
     ready_timeout: float = 120.0
     install: TritonInstall | None = None
     proc: subprocess.Popen | None = field(default=None, init=False)
+    # tritonserver --id, which GET /v2 names: tells this server from another one that took its HTTP port first
+    server_id: str = field(default_factory=lambda: f"loraplex-{secrets.token_hex(6)}", init=False)
     _auto_ports: bool = field(default=False, init=False)
     _log_file: object = field(default=None, init=False, repr=False)
     _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -329,6 +333,7 @@ class TritonServer:
             "--grpc-port", str(self.grpc_port),
             "--metrics-address", self.address,
             "--metrics-port", str(self.metrics_port),
+            "--id", self.server_id,
             "--exit-timeout-secs", str(self.exit_timeout_secs),
             "--grpc-header-forward-pattern", self.header_forward_pattern,
             "--http-header-forward-pattern", self.header_forward_pattern,
@@ -397,8 +402,14 @@ class TritonServer:
         return Path(self.log_path).with_suffix(".stopping")
 
     def is_ready(self) -> bool:
-        """Whether ``/v2/health/ready`` answers 200 right now."""
-        return answers_ok(f"{self.http_url}/v2/health/ready")
+        """Whether ``/v2/health/ready`` answers 200 right now, from this server: with auto-picked ports another
+        process (a test worker's server) may hold the port this one failed to bind."""
+        return answers_ok(f"{self.http_url}/v2/health/ready") and self.answers_as_itself()
+
+    def answers_as_itself(self) -> bool:
+        """Whether the HTTP port's server metadata (``GET /v2``) names this server's ``--id``."""
+        metadata = get_json(f"{self.http_url}/v2")
+        return isinstance(metadata, dict) and metadata.get("name") == self.server_id
 
     def http_listening(self) -> bool:
         """Whether the HTTP port still has a listener: Triton closes it first thing when it shuts down."""
