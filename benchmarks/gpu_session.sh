@@ -5,7 +5,8 @@
 # kernels exact on CUDA, Triton on the GPU, kernel numerics + bandwidth, the 8B roofline, the loop's host
 # time per step, the multi-LoRA throughput and tests/engine (its engines on the default device run on CUDA).
 # Stages run in order of importance under one deadline (SESSION_S, default 480 s): a stage gets
-# at most its own cap and what is left; one that fails or times out does not stop the rest. $OUT gets two files, both kept current after every stage (the device
+# at most its own cap and what is left; one that fails or times out does not stop the rest. The
+# goals' figures come first (engine_check, triton_gpu, gpu_kernels, decode_roofline), then the new paths' exactness. $OUT gets two files, both kept current after every stage (the device
 # tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
 # output and JSON). STAGES (names, space-separated) runs only those stages.
 # Usage (device tool, carry [".cache/gpu-carry"] after `bash benchmarks/triton_gpu_bundle.sh` here):
@@ -53,6 +54,14 @@ run() {  # name, cap in seconds, command...
   bundle
 }
 run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check.json"
+# Triton end to end on the GPU (decision 058): needs .cache/gpu-carry carried (benchmarks/triton_gpu_bundle.sh)
+run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device cuda --eager \
+    --json "$WORK/triton_gpu.json"
+run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
+    --ranks 16 64 --out "$WORK/gpu_kernels.json"
+# Llama-3-8B's shapes (random bf16 weights, CUDA graphs) vs the HBM roofline: base, 8 and 32 adapters (decision 057)
+run decode_roofline 120 python3 benchmarks/decode_roofline.py --batches 1 16 64 256 --adapters 0 8 32 \
+    --json "$WORK/decode_roofline.json"
 # issues 40 and 41 on CUDA, against the same oracles as on the CPU: every dense family (head_dim 256, soft-capping,
 # sliding windows, ...) and MoE expert LoRA through the engine (LORAPLEX_TEST_DEVICE, tests/support/exactness.py);
 # then the attention kernels with windows, caps and head_dim 256, the FP8 / INT4 linear kernels, and an FP8 base with
@@ -62,14 +71,6 @@ EXACT_TESTS=(tests/engine/test_families.py tests/engine/test_moe.py tests/engine
 run exact_paths 120 env LORAPLEX_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider "${EXACT_TESTS[@]}"
 run cuda_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_attention_variants.py \
     tests/kernels/test_quant_kernels.py
-# Triton end to end on the GPU (decision 058): needs .cache/gpu-carry carried (benchmarks/triton_gpu_bundle.sh)
-run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device cuda --eager \
-    --json "$WORK/triton_gpu.json"
-run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
-    --ranks 16 64 --out "$WORK/gpu_kernels.json"
-# Llama-3-8B's shapes (random bf16 weights, CUDA graphs) vs the HBM roofline: base, 8 and 32 adapters (decision 057)
-run decode_roofline 120 python3 benchmarks/decode_roofline.py --batches 1 16 64 256 --adapters 0 8 32 \
-    --json "$WORK/decode_roofline.json"
 # issue 41 (decision 073): the FP8 / INT4 linear kernels' figures at 8B shapes
 run quant_gemm 150 python3 benchmarks/quant_gemm.py --budget-s 120 --batches 1 16 64 256 --json "$WORK/quant_gemm.json"
 run engine_check_eager 60 python3 benchmarks/engine_check.py --device cuda --eager --json "$WORK/engine_check_eager.json"
