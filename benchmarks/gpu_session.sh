@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (no network there; Triton from the carried bundle): install the
 # checkout offline, then the engine vs transformers+peft on CUDA (decode graphs, eager, the tiled prefill
-# kernel; syncs per step counted), every model family's and MoE's paths and the attention and quantized
-# kernels exact on CUDA, Triton on the GPU, kernel numerics + bandwidth, the 8B roofline, the loop's host
+# kernel; syncs per step counted), Triton on the GPU, kernel numerics + bandwidth, the 8B roofline, every
+# model family's and MoE's paths and the attention and quantized kernels exact on CUDA, the loop's host
 # time per step, the multi-LoRA throughput and tests/engine (its engines on the default device run on CUDA).
-# Stages run in order of importance under one deadline (SESSION_S, default 480 s): a stage gets
-# at most its own cap and what is left; one that fails or times out does not stop the rest. The
-# goals' figures come first (engine_check, triton_gpu, gpu_kernels, decode_roofline), then the new paths' exactness. $OUT gets two files, both kept current after every stage (the device
-# tool brings back at most 8): session.log (everything printed) and results.tgz (each stage's
-# output and JSON). STAGES (names, space-separated) runs only those stages.
+# Stages run in order of importance under one deadline (SESSION_S, default 480 s): a stage gets at most its
+# own cap and what is left; one that fails or times out does not stop the rest. The goals' figures come
+# first (engine_check, triton_gpu, gpu_kernels, decode_roofline), then the new paths' exactness.
+# $OUT gets two files, both kept current after every stage (the device tool brings back at most 8):
+# session.log (everything printed) and results.tgz (each stage's output and JSON). STAGES (names,
+# space-separated) runs only those stages.
 # Usage (device tool, carry [".cache/gpu-carry"] after `bash benchmarks/triton_gpu_bundle.sh` here):
 #   SESSION_S=480 [STAGES="engine_check gpu_kernels"] bash benchmarks/gpu_session.sh
 set -uo pipefail
