@@ -152,22 +152,28 @@ def start_in_session(cmd: list[str], death_signal: int = DEATH_SIGNAL, **popen) 
                             preexec_fn=die_with_parent(death_signal) if on_main_thread else None, **popen)
 
 
+def http_get(url: str, timeout: float = 2.0, max_bytes: int = 1 << 16) -> tuple[http.client.HTTPMessage, bytes] | None:
+    """(headers, up to max_bytes of body) of a GET of ``url`` that answers 200 right now (health and readiness
+    probes); None for anything else: nothing listening, another status, or something that does not speak
+    HTTP/1 (another server's gRPC port)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return (response.headers, response.read(max_bytes)) if response.status == 200 else None
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
+        return None
+
+
 def answers_ok(url: str, timeout: float = 2.0) -> bool:
-    """Whether a GET of ``url`` answers 200 right now (health and readiness probes). Nothing listening, or
-    something that does not speak HTTP/1 (another server's gRPC port), is not an answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
-        return False
+    """Whether a GET of ``url`` answers 200 right now."""
+    return http_get(url, timeout, max_bytes=0) is not None
 
 
-def get_json(url: str, timeout: float = 2.0, max_bytes: int = 1 << 16):
+def get_json(url: str, timeout: float = 2.0):
     """What a GET of ``url`` answers with 200, as JSON, right now; None for no answer or no JSON."""
+    answer = http_get(url, timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return json.loads(response.read(max_bytes)) if response.status == 200 else None
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
+        return json.loads(answer[1]) if answer else None
+    except ValueError:
         return None
 
 

@@ -29,6 +29,7 @@ from loraplex.openai.limits import AUTH_FIRST_BYTES, MAX_MODELS, Limits
 from loraplex.openai.lora_api import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin, not_enabled,
                                       read_adapter_files, resolve_under, upload_parts, upload_reader)
 from loraplex.openai.offload import RenderPool
+from loraplex.openai.process import GATEWAY_ID_HEADER
 from loraplex.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loraplex.openai.responses import (CompletionOffsets, Envelope, Tally, chat_body, chat_chunk_choice, completion_body,
                         completion_choice, new_id, role_chunk_choice, sse, tool_chunk_choices)
@@ -52,6 +53,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     lora_root: str | None = None  # /v1/load_lora_adapter's lora_path must resolve under it (None: API off)
     admin_key: str | None = None  # what that API and /v1/unload_lora_adapter require (None: API off)
+    gateway_id: str | None = None  # /health names it in GATEWAY_ID_HEADER (process.py: the launcher's probe)
 
 
 def identity_headers(request: Request) -> dict[str, str]:
@@ -231,7 +233,8 @@ def create_app(settings: Settings, triton: TritonClient | None = None,
     @app.get("/health")
     async def health():
         if await triton.ready():
-            return Response(status_code=200)
+            return Response(status_code=200, headers={GATEWAY_ID_HEADER: settings.gateway_id} if settings.gateway_id
+                            else None)
         return _error_response(unavailable("lora_llm is not ready"))
 
     @app.get("/metrics")

@@ -15,6 +15,7 @@ from pathlib import Path
 from loraplex.openai.limits import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, MAX_UPLOAD_BYTES, RENDER_QUEUE_PER_THREAD,
                                     RENDER_THREADS, RENDER_TIMEOUT_S, Limits)
 from loraplex.openai.lora_api import ADMIN_KEY_ENV, LORA_ROOT_ENV
+from loraplex.openai.process import GATEWAY_ID_ENV
 from loraplex.openai.triton_stream import MAX_MESSAGE_BYTES
 
 MODEL_DIR_ENV = "LORAPLEX_MODEL_DIR"
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         limits=limits_from(args),
         lora_root=str(Path(args.lora_root).resolve()) if args.lora_root else None,
         admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
+        gateway_id=os.environ.get(GATEWAY_ID_ENV) or None,
     )
     if args.lora_root and not Path(args.lora_root).is_dir():
         print(f"loraplex-openai: --lora-root {args.lora_root}: not a directory", file=sys.stderr)

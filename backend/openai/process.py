@@ -11,14 +11,18 @@ started from the main thread also gets the parent-death SIGTERM at once.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-from loraplex.launch.processes import answers_ok, release_guard, start_guard, start_in_session
+from loraplex.launch.processes import http_get, release_guard, start_guard, start_in_session
 
+# loraplex-serve gives its gateway an id in this variable; /health names it in this header, so the launcher's
+# probe tells its own gateway from another server that took the port
+GATEWAY_ID_ENV, GATEWAY_ID_HEADER = "LORAPLEX_GATEWAY_ID", "x-loraplex-gateway"
 RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most this often
 GUARD_GRACE = 10.0  # after the launcher died: SIGTERM, then SIGKILL this much later (past cli.GRACEFUL_SHUTDOWN_SECONDS)
 
@@ -40,6 +44,7 @@ class GatewayProcess:
     lora_root: str | None = None  # --lora-root: vLLM's load/unload API (with admin_key)
     admin_key: str | None = None  # passed as $LORAPLEX_ADMIN_KEY (never on the command line)
     proc: subprocess.Popen | None = field(default=None, init=False)
+    gateway_id: str = field(default_factory=lambda: f"gateway-{secrets.token_hex(6)}", init=False)
     started_at: float = field(default=0.0, init=False)
     _guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
@@ -63,7 +68,7 @@ class GatewayProcess:
 
     def env(self) -> dict[str, str]:
         """Its environment: this one's, with the admin key when there is one."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{GATEWAY_ID_ENV: self.gateway_id})
         if self.admin_key:
             env["LORAPLEX_ADMIN_KEY"] = self.admin_key
         return env
@@ -94,8 +99,9 @@ class GatewayProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def answers(self) -> bool:
-        """Whether ``/health`` answers 200 right now."""
-        return answers_ok(f"{self.url}/health")
+        """Whether ``/health`` answers 200 right now, from this gateway (not another server on its port)."""
+        answer = http_get(f"{self.url}/health", max_bytes=0)
+        return answer is not None and answer[0].get(GATEWAY_ID_HEADER) == self.gateway_id
 
     def wait_ready(self, timeout: float, stop=lambda: False) -> bool:
         """True once it answers, False if a stop was requested first; GatewayError if it exits or times out."""

@@ -25,6 +25,7 @@ from loraplex.openai.chat import COUNT_CHARS_PER_TOKEN, ChatRenderer
 from loraplex.openai.errors import OpenAIError, client_text, from_rpc, from_triton
 from loraplex.openai.limits import Limits
 from loraplex.openai.offload import RenderPool
+from loraplex.openai.process import GATEWAY_ID_HEADER, GatewayProcess
 from loraplex.openai.protocol import ChatCompletionRequest
 from loraplex.openai.template_inputs import TEMPLATE_VARIABLES
 from loraplex.openai.triton_stream import Delta
@@ -100,6 +101,9 @@ def ended_calls(app, ended: set):
     return counted
 
 
+GATEWAY_ID = "gateway-under-test"
+
+
 @pytest.fixture(scope="module")
 def served(demo):
     """(base URL, FakeTriton) of a gateway on uvicorn in a thread, with LIMITS; triton.ended: calls the app ended."""
@@ -109,7 +113,7 @@ def served(demo):
     triton = FakeTriton()
     triton.ended = set()
     settings = Settings(triton_url="unused:1", base_model="model", model_dir=str(demo["model"]),
-                        max_model_len=1024, limits=LIMITS)
+                        max_model_len=1024, limits=LIMITS, gateway_id=GATEWAY_ID)
     app = ended_calls(create_app(settings, triton=triton, renderer=SlowRenderer(demo["model"])), triton.ended)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -122,6 +126,18 @@ def served(demo):
     yield url, triton
     server.should_exit = True
     thread.join(timeout=10)
+
+
+def test_health_names_the_gateway_so_its_launcher_tells_it_from_another_on_its_port(served):
+    """loraplex-serve's probe takes /health only from the gateway it started: another one that took the port
+    (with auto-picked ports, a parallel test's) answers 200 too, naming another id."""
+    url, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    assert requests.get(f"{url}/health", timeout=5).headers[GATEWAY_ID_HEADER] == GATEWAY_ID
+    mine, stranger = GatewayProcess("unused:1", port), GatewayProcess("unused:1", port)
+    mine.gateway_id = GATEWAY_ID
+    assert mine.answers() and not stranger.answers()
+    assert stranger.env()["LORAPLEX_GATEWAY_ID"] == stranger.gateway_id != GATEWAY_ID
 
 
 def post(url, path, body, **kw):
