@@ -19,7 +19,8 @@ DEADLINE=$(( $(date +%s) + ${SESSION_S:-480} ))
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
 export PYTHONUNBUFFERED=1
-bundle() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
+# results.tgz: the stages' outputs and JSON; a file over 2 MB stays out (the tool brings back 16 MiB a file)
+bundle() { (cd "$WORK" && find . -type f -size -2M -print0 | tar czf "$OUT/results.tgz" --null -T -) ; }
 
 nvidia-smi > "$WORK/nvidia-smi.txt" 2>&1
 python3 -m pip install --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || echo "install failed (see install.log)"
@@ -56,7 +57,7 @@ run() {  # name, cap in seconds, command...
 }
 run engine_check 90 python3 benchmarks/engine_check.py --device cuda --json "$WORK/engine_check.json"
 # Triton end to end on the GPU (decision 058): needs .cache/gpu-carry carried (benchmarks/triton_gpu_bundle.sh)
-run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$WORK/triton" --device cuda --eager \
+run triton_gpu 150 bash benchmarks/triton_gpu_stage.sh "$(mktemp -d /tmp/loraplex-triton-XXXX)" --device cuda --eager \
     --json "$WORK/triton_gpu.json"
 run gpu_kernels 150 python3 benchmarks/gpu_kernels.py --budget-s 100 --batches 64 256 --contexts 1024 4096 \
     --ranks 16 64 --out "$WORK/gpu_kernels.json"
