@@ -89,5 +89,8 @@ run lora_throughput 150 python3 benchmarks/lora_throughput.py --device cuda --hi
 run routing_costs 120 python3 benchmarks/routing_costs.py --rounds 2 --out "$WORK/routing_costs_cuda.json"
 # the other engine tests as they are: those on the default device run on CUDA there (graphs, swap, containment, ...)
 run engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine "${EXACT_TESTS[@]/#/--ignore=}"
+echo "=== issue 43's goals from what ran (benchmarks/gpu_goals.py)"
+python3 benchmarks/gpu_goals.py "$WORK" > "$WORK/goals.md" 2>&1; cat "$WORK/goals.md"
+bundle
 echo "=== done, $(( DEADLINE - $(date +%s) ))s before the deadline"
 sleep 1  # let tee write the last lines before the tool collects $OUT
