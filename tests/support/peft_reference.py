@@ -11,7 +11,9 @@ import torch
 def _base(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # eager: transformers' reference attention. Its SDPA path drops Gemma 2's attention soft-capping in 5.17 (the
+    # GPU machine's version: logprobs 2.9 off), where 5.25 refuses SDPA for Gemma 2 instead
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
