@@ -29,10 +29,17 @@ if ! python3 -c "import loraplex.engine.llm_engine" 2>> "$WORK/install.log"; the
   export PYTHONPATH="$WORK/src${PYTHONPATH:+:$PYTHONPATH}"
   echo "editable install unusable: importing loraplex from $WORK/src (a link to backend/)"
 fi
+# structured outputs' packages the machine lacks (xgrammar, pydantic, ...), carried as wheels by triton_gpu_bundle.sh
+WHEELS=${WHEELS:-.cache/gpu-carry/wheels}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  SITE=$(mktemp -d /tmp/loraplex-gpu-site-XXXX)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl >> "$WORK/install.log" 2>&1 \
+    && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE" || echo "wheels from $WHEELS did not install (see install.log)"
+fi
 python3 - <<'EOF' 2>&1 | tee "$WORK/versions.txt"
 import importlib, platform
 print("python", platform.python_version())
-for name in ("torch", "numpy", "cupy", "transformers", "peft", "loraplex"):
+for name in ("torch", "numpy", "cupy", "transformers", "peft", "xgrammar", "pydantic", "loraplex"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))

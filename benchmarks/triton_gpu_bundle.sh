@@ -2,7 +2,10 @@
 # Pack what the GPU machine lacks to run Triton (decision 058): the nvidia-pytriton wheel's tritonserver,
 # its Python backend and the stub for the GPU machine's Python, the bundled libraries they link (ldd), and
 # a NumPy 1 wheel for the stub's environment (the 24.10 stub's pybind11 misreads NumPy 2's dtypes).
-# Writes $OUT_FILE, default .cache/gpu-carry/triton-gpu.tar.xz (about 43 MB); carry .cache/gpu-carry with the device tool.
+# Writes $OUT_FILE, default .cache/gpu-carry/triton-gpu.tar.xz (about 43 MB), and beside it wheels/: what the
+# engine's structured outputs need that the GPU machine lacks (xgrammar, tvm-ffi, pydantic; jsonschema for the
+# tests; about 8 MB, versions as constraints.txt and the Makefile pin them; gpu_session.sh installs them).
+# Carry .cache/gpu-carry with the device tool.
 # Usage: bash benchmarks/triton_gpu_bundle.sh [python tag of the GPU machine, default 3.12]
 set -euo pipefail
 TAG=${1:-3.12}
@@ -28,3 +31,11 @@ $VPY -m pip download -q numpy==1.26.4 --only-binary :all: --python-version "$TAG
 mkdir -p "$(dirname "$OUT_FILE")"
 tar -C "$STAGE" -cJf "$OUT_FILE" site wheels
 du -h "$OUT_FILE"
+WHEELS=$(dirname "$OUT_FILE")/wheels
+rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+$VPY -m pip download -q --no-deps --only-binary :all: --python-version "$TAG" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -c constraints.txt -d "$WHEELS" \
+    "$(sed -n "s/^XGRAMMAR := '\(.*\)'/\1/p" Makefile)" apache-tvm-ffi pydantic pydantic-core annotated-types \
+    typing-inspection typing-extensions jsonschema jsonschema-specifications referencing rpds-py
+du -sh "$WHEELS"
