@@ -147,12 +147,13 @@ bench: setup $(AIPERF_VENV)/bin/aiperf
 # The lent GPU machine runs NumPy 2 and CuPy 14 (cupy-cuda13x), our serving environment NumPy 1 and CuPy 13
 # (Triton 2.51's stub, see setup). This rehearses the first on the CPU, before a GPU's 15 minutes are spent:
 # the tests that need no Triton (the .cu kernels through NVRTC 13 and the CPU shim, the engine, the units),
-# with the checkout installed --no-deps (its pins say numpy<2). ~3 min; not part of `make test`.
+# with the checkout installed --no-deps (its pins say numpy<2), and the machine's transformers (5.17 in
+# KINDS.md: its SDPA dropped Gemma 2's soft-capping under our oracle). ~3 min; not part of `make test`.
 gpu-env: setup demo
 	rm -rf $(GPU_ENV_VENV)
 	$(UV) venv -q --python $(PYTHON) $(GPU_ENV_VENV)
 	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python $(UV_PIP_ARGS) -q 'torch==2.13.0' 'numpy>=2' \
-		'cupy-cuda13x>=14' nvidia-cuda-nvrtc transformers peft safetensors tokenizers gguf fastapi uvicorn \
+		'cupy-cuda13x>=14' nvidia-cuda-nvrtc 'transformers==5.17.0' peft safetensors tokenizers gguf fastapi uvicorn \
 		pytest hypothesis requests 'tritonclient[grpc]' jsonschema apache-tvm-ffi pydantic
 	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python $(UV_PIP_ARGS) -q --no-deps $(XGRAMMAR)
 	$(UV) pip install --python $(GPU_ENV_VENV)/bin/python -q --no-deps -e .

@@ -67,7 +67,7 @@ class GatewayProcess:
         return cmd
 
     def env(self) -> dict[str, str]:
-        """Its environment: this one's, with the admin key when there is one."""
+        """Its environment: this one's, with its id, and the admin key when there is one."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{GATEWAY_ID_ENV: self.gateway_id})
         if self.admin_key:
             env["LORAPLEX_ADMIN_KEY"] = self.admin_key
