@@ -15,7 +15,9 @@ import requests
 
 from loraplex.clients import metrics
 from loraplex.clients.load import chosen_token_ids
+from loraplex.launch.processes import http_get
 from loraplex.launch.tritonserver import free_ports
+from loraplex.openai.process import GATEWAY_ID_ENV, GATEWAY_ID_HEADER
 
 
 def token_ids_of(result) -> list[int]:
@@ -69,25 +71,28 @@ def wait_for_positive(server, name: str, timeout: float = 20.0, **labels) -> flo
 
 @contextmanager
 def run_gateway(triton_grpc_url: str, model_dir, log_path: Path, *flags: str):
-    """`loraplex-openai` as its own process on 127.0.0.1 in front of a server; yields its base URL once it answers."""
-    (port,) = free_ports(1)
-    cmd = [str(Path(sys.executable).with_name("loraplex-openai")), "--triton-url", triton_grpc_url,
-           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(model_dir), "--log-level", "warning",
-           *flags]
+    """`loraplex-openai` as its own process on 127.0.0.1 in front of a server; yields its base URL once it answers,
+    itself (its /health names the id it was given: a parallel worker's gateway may hold the port picked)."""
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
+    for attempt in range(3):  # a port taken between free_ports and the bind: the gateway exits; pick another
+        (port,) = free_ports(1)
+        cmd = [str(Path(sys.executable).with_name("loraplex-openai")), "--triton-url", triton_grpc_url,
+               "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(model_dir), "--log-level", "warning",
+               *flags]
+        gateway_id = f"test-gateway-{port}-{attempt}"
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", **{GATEWAY_ID_ENV: gateway_id}))
+        url = f"http://127.0.0.1:{port}"
+        answer = http_get(f"{url}/health", max_bytes=0)
         deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
+        while proc.poll() is None and (answer is None or answer[0].get(GATEWAY_ID_HEADER) != gateway_id):
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
+            answer = http_get(f"{url}/health", max_bytes=0)
+        if proc.poll() is None or "address already in use" not in log_path.read_text():
+            break
+    try:
+        assert proc.poll() is None, log_path.read_text()
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
