@@ -102,18 +102,16 @@ def kernel_goals(kernels: dict | None) -> list[Goal]:
     return goals
 
 
-def exactness_goal(folder: Path) -> Goal:
+def exactness_goal(folder: Path, triton: dict | None, kernels: dict | None) -> Goal:
     parts, ok = [], True
     for stage in ENGINE_CHECKS:
         check = read_json(folder, f"{stage}.json")
         if check:
             parts.append(f"{stage} {check['matched']}/{check['requests']}")
             ok &= check["matched"] == check["requests"]
-    triton = read_json(folder, "triton_gpu.json")
     if triton and triton.get("exact"):
         parts.append(f"triton_gpu {triton['exact']['matched']}/{triton['exact']['requests']}")
         ok &= triton["exact"]["matched"] == triton["exact"]["requests"]
-    kernels = read_json(folder, "gpu_kernels.json")
     if kernels and kernels.get("numerics"):
         bad = [r for r in kernels["numerics"] if r.get("ok") is False]
         parts.append(f"gpu_kernels numerics {len(kernels['numerics']) - len(bad)}/{len(kernels['numerics'])}")
@@ -131,11 +129,11 @@ def exactness_goal(folder: Path) -> Goal:
 
 def goals(folder: Path) -> list[Goal]:
     """Every goal of issue 43, from the session's JSON and stage outputs."""
-    triton = read_json(folder, "triton_gpu.json")
+    triton, kernels = read_json(folder, "triton_gpu.json"), read_json(folder, "gpu_kernels.json")
     served = at_least(Goal("through Triton vs in-process (served / in-process tokens/s)", ">= 0.90x"),
                       triton and triton.get("served_over_in_process"), 0.90, "triton_gpu.py")
     return [*roofline_goals(read_json(folder, "decode_roofline.json")),
-            *kernel_goals(read_json(folder, "gpu_kernels.json")), served, exactness_goal(folder)]
+            *kernel_goals(kernels), served, exactness_goal(folder, triton, kernels)]
 
 
 def device_name(folder: Path) -> str:

@@ -27,6 +27,13 @@ RESTART_MIN_INTERVAL = 5.0  # a gateway that keeps dying is restarted at most th
 GUARD_GRACE = 10.0  # after the launcher died: SIGTERM, then SIGKILL this much later (past cli.GRACEFUL_SHUTDOWN_SECONDS)
 
 
+def gateway_answers(url: str, gateway_id: str) -> bool:
+    """Whether ``url``'s ``/health`` answers 200 right now from the gateway given ``gateway_id`` (not another server
+    on its port)."""
+    answer = http_get(f"{url}/health", max_bytes=0)
+    return answer is not None and answer[0].get(GATEWAY_ID_HEADER) == gateway_id
+
+
 class GatewayError(RuntimeError):
     """The gateway exited or did not answer in time."""
 
@@ -100,8 +107,7 @@ class GatewayProcess:
 
     def answers(self) -> bool:
         """Whether ``/health`` answers 200 right now, from this gateway (not another server on its port)."""
-        answer = http_get(f"{self.url}/health", max_bytes=0)
-        return answer is not None and answer[0].get(GATEWAY_ID_HEADER) == self.gateway_id
+        return gateway_answers(self.url, self.gateway_id)
 
     def wait_ready(self, timeout: float, stop=lambda: False) -> bool:
         """True once it answers, False if a stop was requested first; GatewayError if it exits or times out."""

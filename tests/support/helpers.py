@@ -15,9 +15,8 @@ import requests
 
 from loraplex.clients import metrics
 from loraplex.clients.load import chosen_token_ids
-from loraplex.launch.processes import http_get
 from loraplex.launch.tritonserver import free_ports
-from loraplex.openai.process import GATEWAY_ID_ENV, GATEWAY_ID_HEADER
+from loraplex.openai.process import GATEWAY_ID_ENV, gateway_answers
 
 
 def token_ids_of(result) -> list[int]:
@@ -83,12 +82,10 @@ def run_gateway(triton_grpc_url: str, model_dir, log_path: Path, *flags: str):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, OMP_NUM_THREADS="1", **{GATEWAY_ID_ENV: gateway_id}))
         url = f"http://127.0.0.1:{port}"
-        answer = http_get(f"{url}/health", max_bytes=0)
         deadline = time.monotonic() + 60
-        while proc.poll() is None and (answer is None or answer[0].get(GATEWAY_ID_HEADER) != gateway_id):
+        while proc.poll() is None and not gateway_answers(url, gateway_id):
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
-            answer = http_get(f"{url}/health", max_bytes=0)
         if proc.poll() is None or "address already in use" not in log_path.read_text():
             break
     try:
